@@ -1,0 +1,131 @@
+"""The task record: a SWE-bench instance plus swerve's optional fields (DESIGN.md, Task).
+
+Validation is strict on the fields swerve uses and keeps unknown fields verbatim in `extra`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LOG_PARSERS = (
+    "pytest", "pytest_v2", "pytest_options", "django", "sympy", "seaborn", "matplotlib",
+)  # fmt: skip
+"""Log parsers a task may name (SWE-bench's names, without the `parse_log_` prefix)."""
+
+_COMMIT = re.compile(r"^[0-9a-fA-F]{7,64}$")
+_INSTANCE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/+@]*$")
+_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9._\-]+)+$")
+
+
+def _test_list(value: Any) -> Any:
+    """SWE-bench ships FAIL_TO_PASS/PASS_TO_PASS as JSON-encoded strings; accept both forms."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a JSON list of test names ({e.msg} at char {e.pos})") from e
+    return value
+
+
+class Task(BaseModel):
+    """One SWE task. Field names are SWE-bench's, so a dataset row validates as it ships."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, str_strip_whitespace=False)
+
+    instance_id: str = Field(min_length=1, max_length=256)
+    repo: str = Field(min_length=3, max_length=256)
+    """`owner/name` as on GitHub (also used to group environments)."""
+    base_commit: str
+    """The commit the agent starts from (hex SHA)."""
+    problem_statement: str = Field(min_length=1)
+    test_patch: str
+    """Hidden tests, applied only at grading."""
+    FAIL_TO_PASS: list[str] = Field(min_length=1)
+    """Tests that must fail before the fix and pass after it."""
+    PASS_TO_PASS: list[str]
+    """Tests that must keep passing."""
+    patch: str | None = None
+    """The gold fix; never shown to the agent."""
+    version: str | None = Field(None, max_length=64)
+    environment_setup_commit: str | None = None
+    hints_text: str | None = None
+    created_at: datetime | None = None
+    source: str | None = Field(None, min_length=1)
+    """Where the repository comes from: a git URL, a local path or `bundle:NAME`."""
+    image: str | None = Field(None, min_length=1)
+    """A prebuilt environment image; skips building from `source` and `install`."""
+    install: list[str] | None = None
+    """Shell commands that prepare the environment, run in order."""
+    test_cmd: str | None = Field(None, min_length=1)
+    """Runs the tests named in FAIL_TO_PASS and PASS_TO_PASS."""
+    log_parser: str = "pytest"
+
+    @field_validator("instance_id")
+    @classmethod
+    def _instance_id(cls, v: str) -> str:
+        if not _INSTANCE_ID.match(v):
+            raise ValueError("may hold letters, digits and . _ - / + @ only, starting with a "
+                             "letter or digit")
+        return v
+
+    @field_validator("repo")
+    @classmethod
+    def _repo(cls, v: str) -> str:
+        if not _REPO.match(v):
+            raise ValueError("must look like 'owner/name'")
+        return v
+
+    @field_validator("base_commit", "environment_setup_commit")
+    @classmethod
+    def _commit(cls, v: str | None) -> str | None:
+        if v is not None and not _COMMIT.match(v):
+            raise ValueError("must be a hex commit SHA (7 to 64 hex digits)")
+        return v
+
+    @field_validator("FAIL_TO_PASS", "PASS_TO_PASS", mode="before")
+    @classmethod
+    def _tests(cls, v: Any) -> Any:
+        return _test_list(v)
+
+    @field_validator("FAIL_TO_PASS", "PASS_TO_PASS")
+    @classmethod
+    def _tests_named(cls, v: list[str]) -> list[str]:
+        if any(not name for name in v):
+            raise ValueError("test names must not be empty")
+        return v
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        # Some exports write versions as numbers (0.2 for "0.2").
+        return str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
+    @field_validator("install", mode="before")
+    @classmethod
+    def _install(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("created_at")
+    @classmethod
+    def _utc(cls, v: datetime | None) -> datetime | None:
+        if v is not None and v.tzinfo is None:
+            return v.replace(tzinfo=timezone.utc)
+        return v
+
+    @field_validator("log_parser", mode="before")
+    @classmethod
+    def _log_parser(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.removeprefix("parse_log_")
+            if v not in LOG_PARSERS:
+                raise ValueError(f"unknown log parser {v!r}; use one of {', '.join(LOG_PARSERS)}")
+        return v
+
+    def unknown_fields(self) -> dict[str, Any]:
+        """Fields swerve does not know, kept verbatim."""
+        return dict(self.__pydantic_extra__ or {})

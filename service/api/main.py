@@ -1,0 +1,49 @@
+"""The FastAPI application: REST under /api/v1, OpenAPI at /docs."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from service import db
+from service.api.routes import health, suites, tasks
+from service.config import Settings, get_settings
+from service.suites import SuiteNameTaken, SuiteRejected, UploadTooLarge
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.engine = db.make_async_engine(settings.resolved_database_url)
+        app.state.sessions = db.session_factory(app.state.engine)
+        yield
+        await app.state.engine.dispose()
+
+    app = FastAPI(title="swerve", version="0.1.0", lifespan=lifespan,
+                  description="Rollout service for RL of coding agents.")
+    app.state.settings = settings
+    for module in (health, suites, tasks):
+        app.include_router(module.router, prefix="/api/v1")
+    _add_error_handlers(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SuiteRejected)
+    async def _rejected(_: Request, exc: SuiteRejected) -> JSONResponse:
+        return JSONResponse(exc.to_json(), status_code=422)
+
+    @app.exception_handler(UploadTooLarge)
+    async def _too_large(_: Request, exc: UploadTooLarge) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=413)
+
+    @app.exception_handler(SuiteNameTaken)
+    async def _taken(_: Request, exc: SuiteNameTaken) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)

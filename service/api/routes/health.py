@@ -1,0 +1,15 @@
+"""Liveness and readiness."""
+
+import sqlalchemy as sa
+from fastapi import APIRouter
+
+from service.api.deps import SessionDep, SettingsDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health(session: SessionDep, settings: SettingsDep) -> dict:
+    await session.execute(sa.text("SELECT 1"))
+    return {"status": "ok", "database": session.bind.dialect.name,
+            "local_mode": settings.local_mode}

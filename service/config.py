@@ -1,0 +1,87 @@
+"""Deployment settings (env prefix SWERVE_); a bad value fails at start naming its variable."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "SWERVE_"
+
+
+class SettingsError(ValueError):
+    """A setting is missing or invalid; the message names the environment variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_file=".env", extra="ignore", frozen=True
+    )
+
+    data_dir: Path = Path("var")
+    """Where the embedded database, environments, weights and logs live (relative to cwd)."""
+    database_url: str = ""
+    """SQLAlchemy URL. Empty means an SQLite file `swerve.db` under `data_dir`."""
+    broker_url: str = "memory://"
+    """Celery broker. `memory://` runs an in-process worker; `redis://host:6379/0` in a cluster."""
+    api_token: str | None = None
+    """Bearer token for mutating API calls. None: local mode, the service binds 127.0.0.1 only."""
+    models_dir: Path | None = None
+    """Where local models are created and served from. None means `data_dir/models`."""
+    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    """Largest suite upload accepted (bytes); larger uploads answer 413."""
+    max_listed_errors: int = Field(1000, gt=0)
+    """How many record errors a refused suite upload lists (the total is always given)."""
+    log_format: str = "text"
+    """`text` for people, `json` for containers."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, url: str) -> str:
+        if url and not url.startswith(("sqlite", "postgresql", "postgres")):
+            raise ValueError("must be an sqlite:// or postgresql:// URL")
+        return url
+
+    @field_validator("api_token")
+    @classmethod
+    def _strong_token(cls, token: str | None) -> str | None:
+        if token is not None and len(token) < 16:
+            raise ValueError("must be at least 16 characters (or unset for local mode)")
+        return token or None
+
+    @field_validator("log_format")
+    @classmethod
+    def _log_format(cls, value: str) -> str:
+        if value not in ("text", "json"):
+            raise ValueError("must be 'text' or 'json'")
+        return value
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'swerve.db').resolve()}"
+
+    @property
+    def resolved_models_dir(self) -> Path:
+        return self.models_dir or self.data_dir / "models"
+
+    @property
+    def local_mode(self) -> bool:
+        return self.api_token is None
+
+
+def load_settings(**overrides) -> Settings:
+    """Build settings from the environment; raise SettingsError naming each bad variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        problems = [
+            f"{ENV_PREFIX}{str(err['loc'][0]).upper()}: {err['msg']}" for err in e.errors()
+        ]
+        raise SettingsError("invalid settings: " + "; ".join(problems)) from e
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return load_settings()

@@ -1,0 +1,255 @@
+"""Streaming suite import: parse JSONL or a JSON array chunk by chunk, validate, insert in batches.
+
+A suite is all-or-nothing: one bad record rolls the whole import back, and the error list
+names every bad record's line (JSONL) or index (JSON array), instance_id and field path.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ijson
+import orjson
+import sqlalchemy as sa
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from envs.task import Task
+from service.tables import Suite, utcnow
+from service.tables import Task as TaskRow
+
+INSERT_BATCH = 500
+JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
+JSON_TYPES = ("application/json",)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordError:
+    line: int | None
+    """1-based line of a JSONL upload (None for a JSON array)."""
+    index: int | None
+    """0-based position in a JSON array (None for JSONL)."""
+    instance_id: str | None
+    field: str | None
+    """Dotted path of the bad field, e.g. `FAIL_TO_PASS.2`; None when the whole record is bad."""
+    message: str
+
+
+class SuiteImportError(Exception):
+    """Base of the errors an import raises; nothing has been written when one is raised."""
+
+
+class SuiteRejected(SuiteImportError):
+    def __init__(self, errors: list[RecordError], error_count: int):
+        self.errors, self.error_count = errors, error_count
+        super().__init__(f"{error_count} invalid record(s); nothing was imported")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"detail": str(self), "error_count": self.error_count,
+                "errors": [asdict(e) for e in self.errors]}
+
+
+class UploadTooLarge(SuiteImportError):
+    def __init__(self, limit: int):
+        super().__init__(f"upload exceeds {limit} bytes (SWERVE_MAX_UPLOAD_BYTES); split the "
+                         "suite or raise the limit")
+
+
+class SuiteNameTaken(SuiteImportError):
+    def __init__(self, name: str):
+        super().__init__(f"a suite named {name!r} exists; delete it or choose another name")
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    suite_id: uuid.UUID
+    name: str
+    task_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    """One record out of the parser: the decoded object, or why it could not be decoded."""
+
+    line: int | None
+    index: int | None
+    obj: Any = None
+    error: str | None = None
+
+
+async def limit_size(chunks: AsyncIterable[bytes], limit: int) -> AsyncIterator[bytes]:
+    seen = 0
+    async for chunk in chunks:
+        seen += len(chunk)
+        if seen > limit:
+            raise UploadTooLarge(limit)
+        yield chunk
+
+
+async def parse_jsonl(chunks: AsyncIterable[bytes]) -> AsyncIterator[_Parsed]:
+    line_no, pending = 0, b""
+    async for chunk in chunks:
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for raw in lines:
+            line_no += 1
+            if raw.strip():
+                yield _decode_line(raw, line_no)
+    if pending.strip():
+        yield _decode_line(pending, line_no + 1)
+
+
+def _decode_line(raw: bytes, line_no: int) -> _Parsed:
+    try:
+        return _Parsed(line=line_no, index=None, obj=orjson.loads(raw))
+    except orjson.JSONDecodeError as e:
+        return _Parsed(line=line_no, index=None, error=f"malformed JSON: {e}")
+
+
+class _AsyncReader:
+    """The file-like object ijson's async API reads from."""
+
+    def __init__(self, chunks: AsyncIterable[bytes]):
+        self._it, self._first = aiter(chunks), True
+
+    async def read(self, n: int = -1) -> bytes:
+        if n == 0:  # ijson probes the type of what read() returns
+            return b""
+        try:
+            chunk = await anext(self._it)
+        except StopAsyncIteration:
+            return b""
+        if self._first and chunk.strip():
+            self._first = False
+            if not chunk.lstrip().startswith(b"["):
+                raise _NotAnArray
+        return chunk or b" "
+
+
+class _NotAnArray(Exception):
+    pass
+
+
+async def parse_json_array(chunks: AsyncIterable[bytes]) -> AsyncIterator[_Parsed]:
+    index = 0
+    try:
+        async for obj in ijson.items(_AsyncReader(chunks), "item", use_float=True):
+            yield _Parsed(line=None, index=index, obj=obj)
+            index += 1
+    except _NotAnArray:
+        yield _Parsed(line=None, index=None, error="a JSON suite must be an array of task "
+                      "objects; send JSONL as application/x-ndjson")
+    except ijson.JSONError as e:
+        yield _Parsed(line=None, index=index, error=f"malformed JSON after record {index}: {e}")
+
+
+def _validate(parsed: _Parsed) -> Task | list[RecordError]:
+    def error(field: str | None, message: str, instance_id: str | None = None) -> RecordError:
+        return RecordError(parsed.line, parsed.index, instance_id, field, message)
+
+    if parsed.error is not None:
+        return [error(None, parsed.error)]
+    if not isinstance(parsed.obj, dict):
+        return [error(None, f"a task must be a JSON object, got {type(parsed.obj).__name__}")]
+    instance_id = parsed.obj.get("instance_id")
+    instance_id = instance_id if isinstance(instance_id, str) else None
+    try:
+        return Task.model_validate(parsed.obj)
+    except ValidationError as e:
+        return [
+            error(".".join(str(p) for p in err["loc"]) or None, err["msg"], instance_id)
+            for err in e.errors(include_url=False)
+        ]
+
+
+def task_row(task: Task, suite_id: uuid.UUID, position: int) -> dict[str, Any]:
+    return {
+        "id": uuid.uuid4(), "suite_id": suite_id, "position": position,
+        "instance_id": task.instance_id, "repo": task.repo, "base_commit": task.base_commit,
+        "problem_statement": task.problem_statement, "test_patch": task.test_patch,
+        "patch": task.patch, "fail_to_pass": task.FAIL_TO_PASS,
+        "pass_to_pass": task.PASS_TO_PASS, "version": task.version,
+        "environment_setup_commit": task.environment_setup_commit,
+        "hints_text": task.hints_text, "task_created_at": task.created_at,
+        "source": task.source, "image": task.image, "install": task.install,
+        "test_cmd": task.test_cmd, "log_parser": task.log_parser,
+        "extra": task.unknown_fields() or None,
+    }  # fmt: skip
+
+
+async def _name_taken(conn: AsyncConnection, name: str) -> bool:
+    query = sa.select(Suite.id).where(Suite.name == name, Suite.deleted_at.is_(None))
+    return (await conn.execute(query)).first() is not None
+
+
+async def import_suite(
+    engine: AsyncEngine, name: str, records: AsyncIterable[_Parsed], *, max_listed_errors: int
+) -> ImportResult:
+    """Validate and insert every record in one transaction. Raises SuiteImportError."""
+    suite_id, errors, error_count = uuid.uuid4(), [], 0
+    seen: dict[str, int | None] = {}
+    batch: list[dict[str, Any]] = []
+    try:
+        async with engine.begin() as conn:
+            if await _name_taken(conn, name):
+                raise SuiteNameTaken(name)
+            await conn.execute(sa.insert(Suite).values(
+                id=suite_id, name=name, task_count=0, created_at=utcnow()))
+            async for parsed in records:
+                result = _validate(parsed)
+                if isinstance(result, Task) and result.instance_id in seen:
+                    first = seen[result.instance_id]
+                    result = [RecordError(parsed.line, parsed.index, result.instance_id,
+                                          "instance_id", f"duplicate instance_id (first at "
+                                          f"{'line' if parsed.line else 'index'} {first})")]
+                if isinstance(result, list):
+                    error_count += len(result)
+                    errors.extend(result[: max(0, max_listed_errors - len(errors))])
+                    continue
+                seen[result.instance_id] = parsed.line or parsed.index
+                if error_count:
+                    continue  # keep validating to report every error, but stop writing
+                batch.append(task_row(result, suite_id, len(seen) - 1))
+                if len(batch) >= INSERT_BATCH:
+                    await conn.execute(sa.insert(TaskRow), batch)
+                    batch = []
+            if not error_count and not seen:
+                errors, error_count = [RecordError(None, None, None, None, "no tasks")], 1
+            if error_count:
+                raise SuiteRejected(errors, error_count)
+            if batch:
+                await conn.execute(sa.insert(TaskRow), batch)
+            await conn.execute(
+                sa.update(Suite).where(Suite.id == suite_id).values(task_count=len(seen)))
+    except sa.exc.IntegrityError as e:
+        if "name" in str(e.orig):
+            raise SuiteNameTaken(name) from e
+        raise
+    return ImportResult(suite_id=suite_id, name=name, task_count=len(seen))
+
+
+async def file_chunks(path: str, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            yield chunk
+
+
+def parser_for(content_type: str) -> Any:
+    """The record parser for a media type, or None when the type is not a suite format."""
+    media = content_type.split(";")[0].strip().lower()
+    if media in JSONL_TYPES:
+        return parse_jsonl
+    if media in JSON_TYPES:
+        return parse_json_array
+    return None
+
+
+def parser_for_file(path: str) -> Any:
+    if path.endswith(".json"):
+        return parse_json_array
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return parse_json_array if head.startswith(b"[") else parse_jsonl

@@ -1,0 +1,151 @@
+"""Shared fixtures: real PostgreSQL and SQLite databases, the app over ASGI, task factories.
+
+A missing service skips its tests on a laptop and fails them under SWERVE_REQUIRE_SERVICES=1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from service import db
+from service.api.main import create_app
+from service.config import load_settings
+
+TOKEN = "test-token-0123456789abcdef"
+PG_ADMIN_URL = os.environ.get(
+    "SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+TABLES = ("turns", "episodes", "groups", "runs", "tasks", "suites", "policies")
+
+
+def services_required() -> bool:
+    return os.environ.get("SWERVE_REQUIRE_SERVICES") == "1"
+
+
+def missing_service(what: str) -> None:
+    """Skip on a laptop; fail in CI (SWERVE_REQUIRE_SERVICES=1)."""
+    if services_required():
+        pytest.fail(f"{what} is required (SWERVE_REQUIRE_SERVICES=1) but not available")
+    pytest.skip(f"{what} not available")
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> str:
+    engine = db.make_engine(PG_ADMIN_URL)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except sa.exc.OperationalError as e:
+        missing_service(f"PostgreSQL at {PG_ADMIN_URL} ({e.orig})")
+    finally:
+        engine.dispose()
+    return PG_ADMIN_URL
+
+
+def create_pg_database(admin_url: str) -> str:
+    name = f"swerve_test_{uuid.uuid4().hex[:12]}"
+    engine = db.make_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return make_url(db.sync_url(admin_url)).set(database=name).render_as_string(False)
+
+
+def drop_pg_database(admin_url: str, url: str) -> None:
+    name = make_url(url).database
+    engine = db.make_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    engine.dispose()
+
+
+@pytest.fixture
+def empty_pg_url(pg_admin_url: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database (not migrated), dropped after the test."""
+    url = create_pg_database(pg_admin_url)
+    yield url
+    drop_pg_database(pg_admin_url, url)
+
+
+@pytest.fixture(scope="session")
+def migrated_pg_url(pg_admin_url: str) -> Iterator[str]:
+    url = create_pg_database(pg_admin_url)
+    db.upgrade(url)
+    yield url
+    drop_pg_database(pg_admin_url, url)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite") / "template.db"
+    db.upgrade(f"sqlite:///{path}")
+    return path
+
+
+def _truncate_pg(url: str) -> None:
+    engine = db.make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty database of each kind (fresh per test)."""
+    if request.param == "postgresql":
+        url = request.getfixturevalue("migrated_pg_url")
+        _truncate_pg(url)
+        return url
+    path = tmp_path / "swerve.db"
+    shutil.copy(request.getfixturevalue("sqlite_template"), path)
+    return f"sqlite:///{path}"
+
+
+def make_settings(database_url: str, **overrides):
+    return load_settings(database_url=database_url, api_token=TOKEN, **overrides)
+
+
+@pytest.fixture
+async def app_client(db_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client over ASGI against the app with an API token configured."""
+    async with client_for(make_settings(db_url)) as client:
+        yield client
+
+
+class client_for:
+    """Async context manager: the app's lifespan plus an httpx client bound to it."""
+
+    def __init__(self, settings):
+        self.app = create_app(settings)
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        transport = httpx.ASGITransport(app=self.app)
+        self.client = httpx.AsyncClient(transport=transport, base_url="http://swerve.test")
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+        await self._lifespan.__aexit__(*exc)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def count_rows(url: str) -> dict[str, int]:
+    engine = db.make_engine(url)
+    with engine.connect() as conn:
+        counts = {t: conn.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar() for t in TABLES}
+    engine.dispose()
+    return counts
