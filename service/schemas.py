@@ -91,5 +91,17 @@ class TaskPublic(BaseModel):
     test_patch: str | None
 
 
+class ValidationIssue(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class HTTPValidationError(BaseModel):
+    """FastAPI's answer to a request whose parameters do not validate."""
+
+    detail: list[ValidationIssue]
+
+
 class Problem(BaseModel):
     detail: str

@@ -11,7 +11,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from service import suites as importer
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep, SettingsDep
 from service.api.routes.tasks import task_summary
-from service.schemas import Page, Problem, SuiteCreated, SuitePublic, SuiteRejectedPublic, TaskSummary
+from service.schemas import HTTPValidationError, Page, Problem, SuiteCreated, SuitePublic, SuiteRejectedPublic, TaskSummary
 from service.tables import RUN_ACTIVE_STATUSES, Run, Suite, Task, utcnow
 
 router = APIRouter(prefix="/suites", tags=["suites"])
@@ -44,7 +44,7 @@ async def live_suite(session: SessionDep, suite_id: uuid.UUID) -> Suite:
     "", status_code=201, response_model=SuiteCreated, dependencies=TOKEN_REQUIRED,
     openapi_extra=_UPLOAD_BODY,
     responses={401: {"model": Problem}, 409: {"model": Problem}, 413: {"model": Problem},
-               415: {"model": Problem}, 422: {"model": SuiteRejectedPublic}},
+               415: {"model": Problem}, 422: {"model": SuiteRejectedPublic | HTTPValidationError}},
 )  # fmt: skip
 async def upload_suite(
     request: Request,
