@@ -76,6 +76,23 @@ def serve(
     uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
 
 
+@app.command()
+def worker(
+    concurrency: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 2,
+    loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
+) -> None:
+    """Run a Celery worker on SWERVE_BROKER_URL."""
+    settings = _settings()
+    if settings.broker_url.startswith("memory://"):
+        typer.secho("SWERVE_BROKER_URL is memory:// (embedded): a separate worker cannot reach "
+                    "it; set a redis:// broker URL", fg="red", err=True)
+        raise typer.Exit(2)
+    from service.celery_app import app as celery
+
+    celery.worker_main(["worker", f"--concurrency={concurrency}", f"--loglevel={loglevel}",
+                        "--queues=swerve", "--hostname=swerve@%h"])
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = "head") -> None:
     """Migrate the database up (to the latest revision by default)."""

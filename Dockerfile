@@ -1,0 +1,25 @@
+# The swerve app image: api, worker and orchestrator run from it with different commands.
+# No registry is reachable on the development machines; set BASE_IMAGE to a locally built
+# Python 3.11 image there (see sandboxes/ for the debootstrap recipe).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends git bubblewrap ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 1000 swerve
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY service ./service
+COPY envs ./envs
+COPY sandboxes ./sandboxes
+COPY trainer ./trainer
+COPY migrations ./migrations
+RUN pip install .
+
+USER swerve
+ENV SWERVE_DATA_DIR=/data
+EXPOSE 8000
+CMD ["swerve", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,77 @@
+"""Compact binary arrays for token ids, logprobs and routed experts (the turns table's blobs).
+
+Layout: b"SWA" | version 1 | dtype code | codec | ndim | reserved | ndim x uint32 LE | payload.
+Payloads are little-endian; codec 0 is raw, 1 is zlib. Light module: no FastAPI, no Celery.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Literal
+
+import numpy as np
+
+MAGIC = b"SWA\x01"
+DTYPES: dict[str, np.dtype] = {
+    "i": np.dtype("<i4"), "f": np.dtype("<f4"), "B": np.dtype("u1"), "H": np.dtype("<u2"),
+}  # fmt: skip
+CODES = {dt: code for code, dt in DTYPES.items()}
+RAW, ZLIB = 0, 1
+Codec = Literal["raw", "zlib"]
+
+
+class ArrayFormatError(ValueError):
+    """A blob is not an array this module wrote."""
+
+
+def encode_array(values, dtype: str, *, codec: Codec = "zlib", level: int = 1) -> bytes:
+    """Encode a sequence or ndarray; dtype is one of "i" int32, "f" float32, "B" uint8, "H" uint16."""
+    dt = DTYPES[dtype]
+    arr = np.asarray(values)
+    if arr.dtype != dt:
+        if dt.kind in "iu" and arr.size and (arr.min() < np.iinfo(dt).min or arr.max() > np.iinfo(dt).max):
+            raise ValueError(f"values out of range for {dt}")
+        arr = arr.astype(dt)
+    payload = np.ascontiguousarray(arr).tobytes()
+    code = ZLIB if codec == "zlib" else RAW
+    if code == ZLIB:
+        payload = zlib.compress(payload, level)
+    header = MAGIC + struct.pack("<BBBB", ord(dtype), code, arr.ndim, 0)
+    return header + struct.pack(f"<{arr.ndim}I", *arr.shape) + payload
+
+
+def decode_array(blob: bytes) -> np.ndarray:
+    """Decode a blob written by encode_array. Raises ArrayFormatError."""
+    if len(blob) < 8 or blob[:4] != MAGIC:
+        raise ArrayFormatError("not a swerve array (bad magic)")
+    dtype_code, codec, ndim, _ = struct.unpack_from("<BBBB", blob, 4)
+    dt = DTYPES.get(chr(dtype_code))
+    if dt is None or codec not in (RAW, ZLIB):
+        raise ArrayFormatError(f"unknown dtype {dtype_code} or codec {codec}")
+    shape = struct.unpack_from(f"<{ndim}I", blob, 8)
+    payload = blob[8 + 4 * ndim :]
+    if codec == ZLIB:
+        try:
+            payload = zlib.decompress(payload)
+        except zlib.error as e:
+            raise ArrayFormatError(f"damaged payload: {e}") from e
+    if len(payload) != dt.itemsize * int(np.prod(shape, dtype=np.int64)):
+        raise ArrayFormatError(f"payload of {len(payload)} bytes does not fit shape {shape}")
+    return np.frombuffer(payload, dtype=dt).reshape(shape)
+
+
+def encode_ids(ids) -> bytes:
+    return encode_array(ids, "i")
+
+
+def encode_logprobs(logprobs) -> bytes:
+    return encode_array(logprobs, "f")
+
+
+def encode_routed_experts(experts: np.ndarray) -> bytes:
+    """[tokens, layers, top_k] expert ids as uint8 (up to 256 experts) or uint16."""
+    experts = np.asarray(experts)
+    if experts.ndim != 3:
+        raise ValueError(f"routed experts must be [tokens, layers, top_k], got shape {experts.shape}")
+    return encode_array(experts, "B" if experts.size == 0 or experts.max() < 256 else "H")

@@ -1,0 +1,53 @@
+"""docker-compose.yml and the Dockerfile are valid as Compose reads them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import missing_service
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compose_command() -> list[str]:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                 capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    missing_service("docker compose (or docker-compose)")
+
+
+def compose_config(env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(compose_command() + ["-f", str(ROOT / "docker-compose.yml"), "config"],
+                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
+
+
+def test_compose_config_validates():
+    result = compose_config({"SWERVE_API_TOKEN": "x" * 24})
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert {"postgres", "redis", "api", "worker"} <= set(config["services"])
+    for name in ("postgres", "redis", "api", "worker"):
+        assert "healthcheck" in config["services"][name], name
+    assert config["services"]["api"]["environment"]["SWERVE_BROKER_URL"].startswith("redis://")
+
+
+def test_compose_demands_an_api_token():
+    env = {k: v for k, v in os.environ.items() if k != "SWERVE_API_TOKEN"}
+    result = subprocess.run(compose_command() + ["-f", str(ROOT / "docker-compose.yml"), "config"],
+                            cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "SWERVE_API_TOKEN" in result.stderr
+
+
+def test_dockerfile_copies_every_package():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("service", "envs", "sandboxes", "trainer", "migrations"):
+        assert f"COPY {package} ./{package}" in dockerfile

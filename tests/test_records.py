@@ -1,0 +1,60 @@
+"""Binary array blobs round-trip exactly and refuse what they did not write."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.records import (
+    ArrayFormatError,
+    decode_array,
+    encode_array,
+    encode_ids,
+    encode_logprobs,
+    encode_routed_experts,
+)
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300), st.sampled_from(["raw", "zlib"]))
+def test_token_ids_round_trip(ids, codec):
+    out = decode_array(encode_array(ids, "i", codec=codec))
+    assert out.dtype == np.dtype("<i4") and out.tolist() == ids
+
+
+@given(st.lists(st.floats(width=32, allow_nan=False), max_size=300))
+def test_logprobs_round_trip_bit_exact(logprobs):
+    out = decode_array(encode_logprobs(logprobs))
+    assert np.array_equal(out, np.asarray(logprobs, dtype=np.float32))
+
+
+@pytest.mark.parametrize(("n_experts", "dtype"), [(8, np.uint8), (256, np.uint8), (384, np.uint16)])
+def test_routed_experts_pick_the_smallest_dtype(n_experts, dtype):
+    rng = np.random.default_rng(0)
+    experts = rng.integers(0, n_experts, size=(17, 78, 8))
+    out = decode_array(encode_routed_experts(experts))
+    assert out.dtype == dtype and out.shape == (17, 78, 8)
+    assert np.array_equal(out, experts)
+
+
+def test_empty_arrays_keep_their_shape():
+    assert decode_array(encode_ids([])).shape == (0,)
+    assert decode_array(encode_routed_experts(np.zeros((0, 2, 2), dtype=np.int64))).shape == (0, 2, 2)
+
+
+def test_blobs_are_compact():
+    ids = np.arange(131_072) % 2048
+    assert len(encode_ids(ids)) < 131_072 * 4 // 2  # compressed below raw int32
+
+
+@pytest.mark.parametrize("blob", [b"", b"[1, 2, 3]", b"SWA\x01i\x09\x01\x00\x00\x00\x00\x00",
+                                  encode_ids([1, 2, 3])[:-3]])
+def test_foreign_or_damaged_blobs_are_refused(blob):
+    with pytest.raises(ArrayFormatError):
+        decode_array(blob)
+
+
+def test_out_of_range_values_are_refused():
+    with pytest.raises(ValueError, match="out of range"):
+        encode_array([2**31], "i")
