@@ -1,0 +1,175 @@
+"""bubblewrap sandboxes: Linux namespaces, a read-only system, a copy-on-write view of the
+prepared environment, cgroup limits, a non-root user inside, and a persistent bash.
+
+The overlay and its tmpfs upper layer are mounted in a private mount namespace that dies
+with the sandbox, so nothing is ever mounted on the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+from pathlib import Path
+
+from sandboxes.base import SandboxError, SandboxLimits
+from sandboxes.cgroups import CgroupError, Cgroups
+from sandboxes.common import ShellSandbox
+from sandboxes.reaper import Owner, PeriodicReaper, remove_state, state_root
+from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
+
+logger = logging.getLogger(__name__)
+
+SANDBOX_UID = 1000
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
+             "localtime", "nsswitch.conf", "hosts", "resolv.conf", "mime.types", "gitconfig",
+             "python3", "python3.11", "debian_version", "os-release", "protocols", "services")
+PATH = "/work/.venv/bin:/usr/local/bin:/usr/bin:/bin"
+
+# Joins the cgroups, makes a private mount namespace, mounts a size-limited tmpfs for all
+# writes and the overlay of the environment on it, then becomes bwrap (argv in "$@").
+_LAUNCH = r"""
+set -e
+for f in $SWERVE_CGROUP_PROCS; do echo $$ > "$f"; done
+exec unshare --mount --propagation private -- sh -c '
+set -e
+mount -t tmpfs -o "size=${SWERVE_DISK_MB}m,mode=0755" swerve "$SWERVE_STATE/rw"
+mkdir "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/rw/work" "$SWERVE_STATE/rw/tmp"
+chmod 1777 "$SWERVE_STATE/rw/tmp"
+if [ -n "$SWERVE_LOWER" ]; then
+  mount -t overlay overlay -o "lowerdir=$SWERVE_LOWER,upperdir=$SWERVE_STATE/rw/upper,workdir=$SWERVE_STATE/rw/work" "$SWERVE_STATE/merged"
+else
+  mount --bind "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/merged"
+fi
+exec "$@"' sh "$@"
+"""
+
+
+class BwrapSandbox(ShellSandbox):
+    """Use BwrapSandboxConfig.build() or open_sandbox(); close() removes every trace."""
+
+    def __init__(self, config, sandbox_id: str, state: Path, cgroups: Cgroups):
+        super().__init__()
+        self.config, self.id, self.state, self.cgroups = config, sandbox_id, state, cgroups
+        self.limits: SandboxLimits = config.limits
+        self.workdir = config.workdir
+        self.shell: ShellSession | None = None
+        self._lifetime: asyncio.TimerHandle | None = None
+
+    @classmethod
+    async def start(cls, config) -> BwrapSandbox:
+        PeriodicReaper.ensure_running()
+        sandbox_id = f"swb-{uuid.uuid4().hex[:16]}"
+        state = (config.state_dir or state_root()) / sandbox_id
+        owner = Owner.me(config.limits.lifetime_s, episode=config.episode)
+        state.mkdir(parents=True)
+        try:
+            limits = config.limits
+            cgroups = Cgroups.create(sandbox_id, memory_mb=limits.memory_mb, pids=limits.pids,
+                                     cpus=limits.cpus)
+        except CgroupError as e:
+            remove_state(state, None)
+            raise SandboxError(str(e)) from e
+        owner.cgroups = [str(p) for p in cgroups.paths]
+        owner.write(state)
+        sandbox = cls(config, sandbox_id, state, cgroups)
+        try:
+            await sandbox._start_shell()
+        except BaseException:
+            await sandbox.close()
+            raise
+        loop = asyncio.get_running_loop()
+        sandbox._lifetime = loop.call_later(limits.lifetime_s, lambda: loop.create_task(sandbox.close()))
+        logger.info("sandbox up", extra={"sandbox": sandbox_id, "episode": config.episode})
+        return sandbox
+
+    def _bwrap_argv(self) -> list[str]:
+        cfg = self.config
+        argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+                "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
+        if cfg.limits.network:
+            argv.append("--share-net")
+        for link in ("bin", "sbin", "lib", "lib64"):
+            target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
+            argv += ["--symlink", target, f"/{link}"] if target else ["--ro-bind-try", f"/{link}", f"/{link}"]
+        for name in ETC_FILES:
+            argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        argv += ["--ro-bind", str(self._passwd()), "/etc/passwd",
+                 "--ro-bind", str(self._group()), "/etc/group"]
+        for path in cfg.ro_binds:
+            argv += ["--ro-bind", path, path]
+        argv += ["--bind", str(self.state / "merged"), self.workdir,
+                 "--bind", str(self.state / "rw" / "tmp"), "/tmp",
+                 "--chdir", self.workdir, "--clearenv",
+                 "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "sandbox",
+                 "--setenv", "LANG", "C.UTF-8", "--setenv", "TERM", "dumb",
+                 "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat",
+                 "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+                 "bash", "--noprofile", "--norc", "-c", SUPERVISOR]
+        return argv
+
+    def _passwd(self) -> Path:
+        path = self.state / "passwd"
+        path.write_text(f"root:x:0:0::/root:/usr/sbin/nologin\n"
+                        f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/tmp:/bin/bash\n"
+                        "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n")
+        return path
+
+    def _group(self) -> Path:
+        path = self.state / "group"
+        path.write_text(f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
+        return path
+
+    async def _start_shell(self) -> None:
+        for sub in ("rw", "merged"):
+            (self.state / sub).mkdir(exist_ok=True)
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SWERVE_STATE": str(self.state),
+               "SWERVE_CGROUP_PROCS": " ".join(self.cgroups.procs_files),
+               "SWERVE_DISK_MB": str(self.limits.disk_mb),
+               "SWERVE_LOWER": str(self.config.root) if self.config.root else ""}
+        try:
+            self.shell = await ShellSession.start(
+                ["sh", "-c", _LAUNCH, "sh", *self._bwrap_argv()],
+                output_limit=self.limits.output_limit_bytes, env=env)
+        except SessionDead as e:
+            raise SandboxError(f"bubblewrap sandbox failed to start: {e.output.strip()[-2000:]}") from e
+
+    async def _kill(self, include_shell: bool) -> None:
+        """Kill every process but the sandbox's init and supervisor, and the shell if asked."""
+        keep, shell = {self.shell.proc.pid}, None
+        for pid in self.cgroups.procs():
+            ns = _ns_pid(pid)
+            if ns in (1, 2):
+                keep.add(pid)
+            elif ns == self.shell.shell_pid:
+                keep.add(pid)
+                shell = pid
+        await asyncio.to_thread(self.cgroups.kill_all, keep, 5)
+        if include_shell and shell is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(shell, signal.SIGKILL)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._lifetime is not None:
+            self._lifetime.cancel()
+        if self.shell is not None:
+            await self.shell.kill()
+        await asyncio.to_thread(remove_state, self.state, Owner(0, None, 0, 0, cgroups=[str(p) for p in self.cgroups.paths]))
+        logger.info("sandbox down", extra={"sandbox": self.id, "episode": self.config.episode})
+
+
+def _ns_pid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None

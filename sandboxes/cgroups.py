@@ -1,0 +1,114 @@
+"""Per-sandbox cgroups (v1 or v2): memory, process-count and CPU limits, and the process list.
+
+v1 groups go under this process's own memory cgroup (the only place we may create them on
+hosts that nest us) and under the root of the pids and cpu hierarchies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+
+
+class CgroupError(OSError):
+    pass
+
+
+def _own_path(controller: str) -> str:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(",") or (controller == "" and controllers == ""):
+            return path.lstrip("/")
+    return ""
+
+
+def is_v2() -> bool:
+    return (ROOT / "cgroup.controllers").exists()
+
+
+@dataclass
+class Cgroups:
+    """The cgroup folders of one sandbox; `procs_files` are where a process joins them."""
+
+    paths: list[Path]
+
+    @classmethod
+    def create(cls, name: str, *, memory_mb: int, pids: int, cpus: float) -> Cgroups:
+        try:
+            return cls._create_v2(name, memory_mb, pids, cpus) if is_v2() else \
+                cls._create_v1(name, memory_mb, pids, cpus)  # fmt: skip
+        except OSError as e:
+            raise CgroupError(f"cannot create cgroups for {name}: {e}") from e
+
+    @classmethod
+    def _create_v1(cls, name: str, memory_mb: int, pids: int, cpus: float) -> Cgroups:
+        memory = ROOT / "memory" / _own_path("memory") / name
+        pid = ROOT / "pids" / _own_path("pids") / name
+        cpu = ROOT / "cpu" / _own_path("cpu") / name
+        for path in (memory, pid, cpu):
+            path.mkdir()
+        limit = str(memory_mb * 1024 * 1024)
+        (memory / "memory.limit_in_bytes").write_text(limit)
+        try:  # no swap beyond the limit, where the kernel accounts swap
+            (memory / "memory.memsw.limit_in_bytes").write_text(limit)
+        except OSError:
+            pass
+        (pid / "pids.max").write_text(str(pids))
+        (cpu / "cpu.cfs_period_us").write_text("100000")
+        (cpu / "cpu.cfs_quota_us").write_text(str(int(cpus * 100000)))
+        return cls([memory, pid, cpu])
+
+    @classmethod
+    def _create_v2(cls, name: str, memory_mb: int, pids: int, cpus: float) -> Cgroups:
+        path = ROOT / _own_path("") / name
+        path.mkdir()
+        (path / "memory.max").write_text(str(memory_mb * 1024 * 1024))
+        (path / "memory.swap.max").write_text("0")
+        (path / "pids.max").write_text(str(pids))
+        (path / "cpu.max").write_text(f"{int(cpus * 100000)} 100000")
+        return cls([path])
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(p / "cgroup.procs") for p in self.paths]
+
+    def procs(self) -> set[int]:
+        pids: set[int] = set()
+        for path in self.paths:
+            try:
+                pids |= {int(x) for x in (path / "cgroup.procs").read_text().split()}
+            except FileNotFoundError:
+                pass
+        return pids
+
+    def kill_all(self, keep: set[int] = frozenset(), rounds: int = 50) -> None:
+        """SIGKILL every process in the groups except `keep`, until none is left."""
+        for _ in range(rounds):
+            victims = self.procs() - keep
+            if not victims:
+                return
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+
+    def destroy(self) -> None:
+        """Kill what is left and remove the folders (retrying while the kernel lets go)."""
+        self.kill_all()
+        for path in self.paths:
+            for _ in range(200):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    self.kill_all()
+                    time.sleep(0.01)

@@ -1,0 +1,50 @@
+"""Sandbox configs: a discriminated union on `type`, each building its backend lazily."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sandboxes.base import Sandbox, SandboxLimits
+
+
+class BwrapSandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["bwrap"] = "bwrap"
+    root: Path | None = None
+    """Prepared environment folder, seen copy-on-write at `workdir`. None: an empty workdir."""
+    workdir: str = "/work"
+    limits: SandboxLimits = SandboxLimits()
+    ro_binds: tuple[str, ...] = ()
+    """Extra host paths exposed read-only at the same place (e.g. a Python install)."""
+    state_dir: Path | None = None
+    """Where sandboxes keep their state. None: $SWERVE_SANDBOX_DIR or /tmp/swerve-sandboxes."""
+    episode: str | None = None
+    """Label: the episode this sandbox serves (for logs and reaping)."""
+
+    async def build(self) -> Sandbox:
+        from sandboxes.bwrap import BwrapSandbox
+
+        return await BwrapSandbox.start(self)
+
+
+class DockerSandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["docker"] = "docker"
+    image: str | None = None
+    """Image reference (pin by digest for training runs). None: the locally built base image."""
+    workdir: str = "/work"
+    limits: SandboxLimits = SandboxLimits()
+    episode: str | None = None
+
+    async def build(self) -> Sandbox:
+        from sandboxes.docker import DockerSandbox
+
+        return await DockerSandbox.start(self)
+
+
+SandboxConfig = Annotated[BwrapSandboxConfig | DockerSandboxConfig, Field(discriminator="type")]

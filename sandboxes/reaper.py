@@ -1,0 +1,121 @@
+"""Orphan reaping: whatever a sandbox left behind is removed once its owner is gone or its
+lifetime is over. Runs at start-up and periodically in every process that opens sandboxes.
+
+Every bubblewrap sandbox (and every environment build) owns a folder under the state root with
+an `owner.json`; Docker containers carry the same facts as labels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sandboxes.cgroups import Cgroups
+
+logger = logging.getLogger(__name__)
+INCOMPLETE_GRACE_S = 120.0
+
+
+def state_root() -> Path:
+    """Where sandboxes keep their state: $SWERVE_SANDBOX_DIR, or a folder under /tmp."""
+    return Path(os.environ.get("SWERVE_SANDBOX_DIR") or "/tmp/swerve-sandboxes")
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of a process (clock ticks), to tell a live owner from pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+@dataclass
+class Owner:
+    pid: int
+    start_time: int | None
+    created_at: float
+    lifetime_s: float
+    kind: str = "sandbox"
+    episode: str | None = None
+    cgroups: list[str] = field(default_factory=list)
+
+    @classmethod
+    def me(cls, lifetime_s: float, kind: str = "sandbox", episode: str | None = None) -> Owner:
+        pid = os.getpid()
+        return cls(pid, process_start_time(pid), time.time(), lifetime_s, kind, episode)
+
+    def alive(self) -> bool:
+        return process_start_time(self.pid) == self.start_time
+
+    def expired(self, now: float | None = None) -> bool:
+        return (now or time.time()) > self.created_at + self.lifetime_s
+
+    def write(self, folder: Path) -> None:
+        tmp = folder / "owner.json.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(folder / "owner.json")
+
+
+def remove_state(folder: Path, owner: Owner | None) -> None:
+    if owner is not None and owner.cgroups:
+        Cgroups([Path(p) for p in owner.cgroups]).destroy()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def reap_local(root: Path | None = None) -> list[str]:
+    """Remove state folders whose owner died or whose lifetime is over; return their names."""
+    root = root or state_root()
+    if not root.is_dir():
+        return []
+    reaped = []
+    for folder in root.iterdir():
+        try:
+            owner = Owner(**json.loads((folder / "owner.json").read_text()))
+        except FileNotFoundError:
+            owner = None
+            if time.time() - folder.stat().st_mtime < INCOMPLETE_GRACE_S:
+                continue  # being created right now
+        except (ValueError, TypeError) as e:
+            logger.warning("unreadable sandbox owner record %s: %s", folder, e)
+            owner = None
+        if owner is not None and owner.alive() and not owner.expired():
+            continue
+        remove_state(folder, owner)
+        reaped.append(folder.name)
+    if reaped:
+        logger.info("reaped %d sandbox folder(s)", len(reaped), extra={"reaped": reaped})
+    return reaped
+
+
+def reap_docker(client=None) -> list[str]:
+    """Remove swerve containers whose owner (on this host) died or whose lifetime is over."""
+    from sandboxes.docker import reap_containers
+
+    return reap_containers(client)
+
+
+class PeriodicReaper:
+    """One per process: reaps at start and then every `interval_s` while the loop runs."""
+
+    _task: asyncio.Task | None = None
+
+    @classmethod
+    def ensure_running(cls, interval_s: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        if cls._task is not None and not cls._task.done() and cls._task.get_loop() is loop:
+            return
+        reap_local()
+        cls._task = loop.create_task(cls._loop(interval_s))
+
+    @classmethod
+    async def _loop(cls, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await asyncio.to_thread(reap_local)
