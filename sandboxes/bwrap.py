@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from sandboxes.base import SandboxError, SandboxLimits
-from sandboxes.cgroups import CgroupError, Cgroups
+from sandboxes.cgroups import CgroupError, Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
 from sandboxes.reaper import Owner, PeriodicReaper, remove_state, state_root
 from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
@@ -104,7 +104,7 @@ class BwrapSandbox(ShellSandbox):
             argv += ["--ro-bind", path, path]
         argv += ["--bind", str(self.state / "merged"), self.workdir,
                  "--bind", str(self.state / "rw" / "tmp"), "/tmp",
-                 "--chdir", self.workdir, "--clearenv",
+                 "--remount-ro", "/", "--chdir", self.workdir, "--clearenv",
                  "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "sandbox",
                  "--setenv", "LANG", "C.UTF-8", "--setenv", "TERM", "dumb",
                  "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat",
@@ -139,16 +139,20 @@ class BwrapSandbox(ShellSandbox):
             raise SandboxError(f"bubblewrap sandbox failed to start: {e.output.strip()[-2000:]}") from e
 
     async def _kill(self, include_shell: bool) -> None:
-        """Kill every process but the sandbox's init and supervisor, and the shell if asked."""
-        keep, shell = {self.shell.proc.pid}, None
-        for pid in self.cgroups.procs():
-            ns = _ns_pid(pid)
-            if ns in (1, 2):
-                keep.add(pid)
-            elif ns == self.shell.shell_pid:
-                keep.add(pid)
-                shell = pid
-        await asyncio.to_thread(self.cgroups.kill_all, keep, 5)
+        """Kill every process but the sandbox's init and supervisor, and the shell if asked.
+
+        Any child of the supervisor is spared: it is the shell, or the one replacing it.
+        """
+        shell = next((p for p in self.cgroups.procs() if ns_pid(p) == self.shell.shell_pid), None)
+        outer = self.shell.proc.pid
+
+        def keep(pid: int) -> bool:
+            return pid == outer or ns_pid(pid) in (1, 2, None) or ns_ppid(pid) == 2
+
+        if shell is not None and not include_shell:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(shell, signal.SIGUSR1)  # abandon the rest of the command line
+        await asyncio.to_thread(self.cgroups.kill_all, keep)
         if include_shell and shell is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(shell, signal.SIGKILL)
@@ -163,13 +167,3 @@ class BwrapSandbox(ShellSandbox):
             await self.shell.kill()
         await asyncio.to_thread(remove_state, self.state, Owner(0, None, 0, 0, cgroups=[str(p) for p in self.cgroups.paths]))
         logger.info("sandbox down", extra={"sandbox": self.id, "episode": self.config.episode})
-
-
-def _ns_pid(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None

@@ -6,9 +6,11 @@ hosts that nest us) and under the root of the pids and cpu hierarchies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +52,8 @@ class Cgroups:
         memory = ROOT / "memory" / _own_path("memory") / name
         pid = ROOT / "pids" / _own_path("pids") / name
         cpu = ROOT / "cpu" / _own_path("cpu") / name
-        for path in (memory, pid, cpu):
+        freezer = ROOT / "freezer" / _own_path("freezer") / name
+        for path in (memory, pid, cpu, freezer):
             path.mkdir()
         limit = str(memory_mb * 1024 * 1024)
         (memory / "memory.limit_in_bytes").write_text(limit)
@@ -61,7 +64,7 @@ class Cgroups:
         (pid / "pids.max").write_text(str(pids))
         (cpu / "cpu.cfs_period_us").write_text("100000")
         (cpu / "cpu.cfs_quota_us").write_text(str(int(cpus * 100000)))
-        return cls([memory, pid, cpu])
+        return cls([memory, pid, cpu, freezer])
 
     @classmethod
     def _create_v2(cls, name: str, memory_mb: int, pids: int, cpus: float) -> Cgroups:
@@ -86,17 +89,30 @@ class Cgroups:
                 pass
         return pids
 
-    def kill_all(self, keep: set[int] = frozenset(), rounds: int = 50) -> None:
-        """SIGKILL every process in the groups except `keep`, until none is left."""
+    def _freeze(self, frozen: bool) -> bool:
+        """Freeze or thaw every process (so a fork bomb cannot outrun the kill)."""
+        for path in self.paths:
+            for name, value in (("freezer.state", "FROZEN" if frozen else "THAWED"),
+                                ("cgroup.freeze", "1" if frozen else "0")):
+                if (path / name).exists():
+                    (path / name).write_text(value)
+                    return True
+        return False
+
+    def kill_all(self, keep: Callable[[int], bool] = lambda pid: False, rounds: int = 50) -> None:
+        """SIGKILL every process in the groups for which keep(pid) is false, until none is left."""
         for _ in range(rounds):
-            victims = self.procs() - keep
-            if not victims:
+            if not [pid for pid in self.procs() if not keep(pid)]:
                 return
-            for pid in victims:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            frozen = self._freeze(True)
+            try:
+                for pid in self.procs():
+                    if not keep(pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+            finally:
+                if frozen:
+                    self._freeze(False)
             time.sleep(0.01)
 
     def destroy(self) -> None:
@@ -112,3 +128,22 @@ class Cgroups:
                 except OSError:
                     self.kill_all()
                     time.sleep(0.01)
+
+
+def ns_ppid(pid: int) -> int | None:
+    """The parent's pid as the sandbox sees it (for children of the sandbox's own processes)."""
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+        return None
+    return ns_pid(ppid)
+
+
+def ns_pid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None

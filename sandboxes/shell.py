@@ -18,17 +18,20 @@ from sandboxes.base import ExecResult
 
 # The sandbox's main process: restarts the command shell whenever it exits, so `exit` or
 # `kill -9 $$` costs the shell's cwd and variables but never the sandbox's files.
+# On a timeout the shell gets SIGUSR1 before the command's processes are killed: the trap
+# returns from the command's function, so the rest of its list does not run.
+_SHELL_INIT = ("exec 4>&1 5>&2; unset HISTFILE; "
+               "__swerve_run() { eval \"$__swerve_cmd\"; }; trap 'return 124' USR1; ")
 SUPERVISOR = (
     "while :; do "
-    "bash --noprofile --norc -c 'exec 4>&1 5>&2; unset HISTFILE; "
-    "printf \"ready %s\\n\" $$ >&5; exec bash --noprofile --norc'; "
+    "bash --noprofile --norc -c 'printf \"ready %s\\n\" $$ >&2; exec bash --noprofile --norc'; "
     "printf 'exited %s\\n' \"$?\" >&2; done"
 )
 # One line, so nothing of it is left unread in the pipe if the command ends the shell; the
 # command's bytes follow it and are consumed by `read -N`.
 _WRAP = (
     "IFS= LC_ALL=C read -r -d '' -N {n} __swerve_cmd; "
-    "{{ eval \"$__swerve_cmd\"; }} </dev/null 2>&1 4>&- 5>&-; "
+    "{{ __swerve_run; }} </dev/null 2>&1 4>&- 5>&-; "
     "__swerve_ec=$?; printf -v __swerve_m '%08x%08x%08x%08x' $SRANDOM $SRANDOM $SRANDOM $SRANDOM; "
     "printf '\\n\\037%s\\037' \"$__swerve_m\" >&4; printf '%s %d\\n' \"$__swerve_m\" $__swerve_ec >&5\n"
 )
@@ -138,6 +141,8 @@ class ShellSession:
                 raise SessionDead(await self.proc.wait(),
                                   (b"".join(lines) + out).decode(errors="replace"))
             if match := _READY.match(line.strip()):
+                self.proc.stdin.write(_SHELL_INIT.encode() + b"\n")
+                await self.proc.stdin.drain()
                 return int(match.group(1))
             lines.append(line)
 

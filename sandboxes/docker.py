@@ -1,0 +1,225 @@
+"""Docker sandboxes: one labelled container per sandbox, limits set on the container, and a
+persistent bash reached over `docker exec -i`. Timeouts are enforced inside the container
+(killing a `docker exec` client does not kill what it started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+
+from sandboxes.base import SandboxError, SandboxLimits
+from sandboxes.cgroups import ROOT as CGROUP_ROOT
+from sandboxes.cgroups import Cgroups, ns_pid, ns_ppid
+from sandboxes.common import ShellSandbox
+from sandboxes.images import BASE_IMAGE, ensure_base_image
+from sandboxes.reaper import process_start_time
+from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
+
+logger = logging.getLogger(__name__)
+
+LABEL = "swerve.sandbox"
+SANDBOX_USER = "1000:1000"
+# Kills every process in the container but init, the keeper and the given pids (and itself).
+_KILL = r"""
+[ -n "$ABANDON" ] && kill -USR1 "$ABANDON" 2>/dev/null
+for round in 1 2 3 4 5 6 7 8 9 10; do
+  left=0
+  for d in /proc/[0-9]*; do p=${d#/proc/}
+    case " 1 $KEEP $$ " in *" $p "*) continue ;; esac
+    [ "$(cut -d' ' -f4 "$d/stat" 2>/dev/null)" = "$SUP" ] && continue
+    kill -9 "$p" 2>/dev/null && left=1
+  done
+  [ "$left" = 0 ] && break
+done
+"""
+# Spared: init, the keeper, the supervisor and its children (the shell, or its replacement).
+
+
+def _client():
+    import docker
+
+    try:
+        return docker.from_env(timeout=120)
+    except docker.errors.DockerException as e:
+        raise SandboxError(f"no Docker engine reachable (DOCKER_HOST={os.environ.get('DOCKER_HOST', 'unset')}): {e}") from e
+
+
+def _labels(sandbox_id: str, limits: SandboxLimits, episode: str | None) -> dict[str, str]:
+    pid = os.getpid()
+    return {LABEL: sandbox_id, "swerve.owner_host": socket.gethostname(),
+            "swerve.owner_pid": str(pid), "swerve.owner_start": str(process_start_time(pid)),
+            "swerve.created_at": f"{time.time():.3f}", "swerve.lifetime_s": str(limits.lifetime_s),
+            "swerve.episode": episode or ""}
+
+
+class DockerSandbox(ShellSandbox):
+    def __init__(self, config, container, client):
+        super().__init__()
+        self.config, self.container, self.client = config, container, client
+        self.id = container.name
+        self.limits: SandboxLimits = config.limits
+        self.workdir = config.workdir
+        self.shell: ShellSession | None = None
+        self._keeper_pid = "1"
+
+    @classmethod
+    async def start(cls, config) -> DockerSandbox:
+        client = await asyncio.to_thread(_client)
+        image = config.image or await asyncio.to_thread(ensure_base_image, client, BASE_IMAGE)
+        sandbox_id = f"swd-{uuid.uuid4().hex[:16]}"
+        container = await asyncio.to_thread(cls._create, client, config, image, sandbox_id)
+        sandbox = cls(config, container, client)
+        try:
+            await sandbox._prepare()
+            await sandbox._revive()
+        except BaseException:
+            await sandbox.close()
+            raise
+        logger.info("sandbox up", extra={"sandbox": sandbox_id, "episode": config.episode})
+        return sandbox
+
+    @staticmethod
+    def _create(client, config, image: str, sandbox_id: str):
+        import docker
+
+        limits = config.limits
+        try:
+            return client.containers.run(
+                image, ["sleep", "infinity"], name=sandbox_id, detach=True, init=True,
+                labels=_labels(sandbox_id, limits, config.episode),
+                network_mode="bridge" if limits.network else "none",
+                mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
+                nano_cpus=int(limits.cpus * 1e9), pids_limit=limits.pids,
+                cap_drop=["ALL"], cap_add=["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL"],
+                security_opt=["no-new-privileges"],
+                tmpfs={"/tmp": f"size={limits.disk_mb}m,mode=1777"},
+                environment={"HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat",
+                             "GIT_PAGER": "cat", "PYTHONDONTWRITEBYTECODE": "1"},
+            )  # fmt: skip
+        except docker.errors.DockerException as e:
+            raise SandboxError(f"cannot start a container from {image}: {e}") from e
+
+    async def _prepare(self) -> None:
+        """Make the workdir (owned by the sandbox user) and note the keeper's pid."""
+        script = (f"mkdir -p {self.workdir} && chown 1000:1000 {self.workdir} && "
+                  "for d in /proc/[0-9]*; do p=${d#/proc/}; "
+                  "[ \"$(cut -d' ' -f4 $d/stat 2>/dev/null)\" = 1 ] && echo $p; done; true")
+        code, out = await asyncio.to_thread(self.container.exec_run, ["sh", "-c", script], user="0")
+        if code != 0:
+            raise SandboxError(f"cannot prepare {self.workdir} in {self.id}: {out.decode(errors='replace')}")
+        self._keeper_pid = " ".join(out.decode().split())
+
+    async def _revive(self) -> bool:
+        """Attach a new supervisor shell; False if the container is gone."""
+        if self.shell is not None:
+            await self.shell.kill()
+        try:
+            await asyncio.to_thread(self.container.reload)
+        except Exception as e:  # noqa: BLE001 - any engine error means the container is gone
+            logger.warning("container %s vanished: %s", self.id, e)
+            return False
+        if self.container.status != "running":
+            return False
+        argv = ["docker", "exec", "-i", "-u", SANDBOX_USER, "-w", self.workdir, self.id,
+                "bash", "--noprofile", "--norc", "-c", SUPERVISOR]
+        try:
+            self.shell = await ShellSession.start(argv, output_limit=self.limits.output_limit_bytes)
+        except SessionDead as e:
+            raise SandboxError(f"cannot attach a shell to {self.id}: {e.output[-1000:]}") from e
+        return True
+
+    async def _kill(self, include_shell: bool) -> None:
+        host = _host_cgroups(self.container.id)
+        if host is not None:  # a local engine: freeze, kill and thaw from here, like bwrap
+            await self._kill_from_host(host, include_shell)
+            return
+        supervisor = await asyncio.to_thread(self._supervisor_pid)
+        env = {"KEEP": f"{self._keeper_pid} {supervisor}", "SUP": supervisor,
+               "ABANDON": "" if include_shell else str(self.shell.shell_pid)}
+        await asyncio.to_thread(self.container.exec_run, ["sh", "-c", _KILL], user="0",
+                                environment=env)
+        if include_shell:
+            await asyncio.to_thread(self.container.exec_run,
+                                    ["kill", "-9", str(self.shell.shell_pid)], user="0")
+
+    async def _kill_from_host(self, host: Cgroups, include_shell: bool) -> None:
+        shell = next((p for p in host.procs() if ns_pid(p) == self.shell.shell_pid), None)
+        supervisor = ns_ppid(shell) if shell is not None else None
+        spared = {1, supervisor, *map(int, self._keeper_pid.split())}
+
+        def keep(pid: int) -> bool:
+            return ns_pid(pid) in spared or ns_ppid(pid) == supervisor
+
+        if shell is not None and not include_shell:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(shell, signal.SIGUSR1)
+        await asyncio.to_thread(host.kill_all, keep)
+        if shell is not None and include_shell:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(shell, signal.SIGKILL)
+
+    def _supervisor_pid(self) -> str:
+        """The supervisor is the shell's parent; read it inside the container."""
+        code, out = self.container.exec_run(
+            ["sh", "-c", f"cut -d' ' -f4 /proc/{self.shell.shell_pid}/stat"], user="0")
+        return out.decode().strip() if code == 0 else ""
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.shell is not None:
+            await self.shell.kill()
+        await asyncio.to_thread(_remove, self.container)
+        logger.info("sandbox down", extra={"sandbox": self.id, "episode": self.config.episode})
+
+
+def _host_cgroups(container_id: str) -> Cgroups | None:
+    """The container's freezer and pids cgroups when the engine runs on this host (cgroupfs)."""
+    paths = [CGROUP_ROOT / c / "docker" / container_id for c in ("freezer", "pids")]
+    if all(p.is_dir() for p in paths):
+        return Cgroups(paths)
+    v2 = CGROUP_ROOT / "system.slice" / f"docker-{container_id}.scope"
+    return Cgroups([v2]) if v2.is_dir() else None
+
+
+def _remove(container) -> None:
+    import docker
+
+    try:
+        container.remove(force=True)
+    except docker.errors.NotFound:
+        pass
+
+
+def _owner_gone(labels: dict[str, str], now: float) -> bool:
+    try:
+        created, lifetime = float(labels["swerve.created_at"]), float(labels["swerve.lifetime_s"])
+    except (KeyError, ValueError):
+        return True
+    if now > created + lifetime:
+        return True
+    if labels.get("swerve.owner_host") != socket.gethostname():
+        return False  # another host's owner: only its lifetime can end it from here
+    start = process_start_time(int(labels.get("swerve.owner_pid", "0")))
+    return str(start) != labels.get("swerve.owner_start")
+
+
+def reap_containers(client=None) -> list[str]:
+    """Remove swerve containers whose owner died or whose lifetime is over."""
+    client = client or _client()
+    now, reaped = time.time(), []
+    for container in client.containers.list(all=True, filters={"label": LABEL}):
+        if _owner_gone(container.labels, now):
+            _remove(container)
+            reaped.append(container.name)
+    if reaped:
+        logger.info("reaped %d container(s)", len(reaped), extra={"reaped": reaped})
+    return reaped
