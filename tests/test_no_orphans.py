@@ -1,0 +1,104 @@
+"""Nothing of a sandbox survives close, its owner's SIGKILL, or a crash: no container, process,
+mount, cgroup or folder once the reaper has run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sandboxes.base import open_sandbox
+from sandboxes.reaper import reap_local
+from tests.sandbox_fixtures import backend, make_config  # noqa: F401 - fixture
+from tests.test_sandboxes import host_processes_with
+
+pytestmark = pytest.mark.slow
+
+OWNER = r"""
+import asyncio, json, sys
+from pathlib import Path
+from sandboxes.base import SandboxLimits
+from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
+
+async def main(kind, state, n):
+    boxes = []
+    for i in range(n):
+        cfg = (BwrapSandboxConfig(state_dir=Path(state)) if kind == "bwrap" else DockerSandboxConfig())
+        box = await cfg.build()
+        await box.execute("sleep 4242.5 & setsid sleep 4242.5 & (nohup sleep 4242.5 &) ; echo x > /work/f")
+        boxes.append(box.id)
+    print(json.dumps(boxes), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def leftovers(backend: str, state: Path, ids: list[str]) -> list[str]:
+    found = [f"process {p}" for p in host_processes_with("4242.5")]
+    cgroup_roots = [Path("/sys/fs/cgroup") / c for c in ("pids", "memory", "cpu", "freezer")]
+    for sandbox_id in ids:
+        found += [str(p) for root in cgroup_roots for p in root.rglob(sandbox_id)]
+        if (state / sandbox_id).exists():
+            found.append(str(state / sandbox_id))
+    mounts = Path("/proc/mounts").read_text()
+    found += [f"mount {i}" for i in ids if i in mounts]
+    if backend == "docker":
+        import docker
+
+        names = {c.name for c in docker.from_env().containers.list(all=True)}
+        found += [f"container {i}" for i in ids if i in names]
+    return found
+
+
+async def test_close_leaves_nothing(backend, tmp_path):
+    async with open_sandbox(make_config(backend, tmp_path)) as sb:
+        await sb.execute("sleep 4242.5 & setsid sleep 4242.5 & (nohup sleep 4242.5 &)")
+        assert host_processes_with("4242.5")
+        sandbox_id = sb.id
+    assert leftovers(backend, tmp_path / "sandboxes", [sandbox_id]) == []
+
+
+def test_sigkilled_owner_leaves_nothing_after_the_reaper(backend, tmp_path):
+    state = tmp_path / "sandboxes"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, backend, str(state), "3"],
+                             stdout=subprocess.PIPE, text=True, env=os.environ | {"SWERVE_SANDBOX_DIR": str(state)})
+    ids = json.loads(owner.stdout.readline())
+    assert len(ids) == 3 and host_processes_with("4242.5")
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+
+    if backend == "bwrap":
+        reaped = reap_local(state)
+    else:
+        from sandboxes.docker import reap_containers
+
+        reaped = reap_containers()
+    assert set(ids) <= set(reaped)
+    deadline = time.monotonic() + 10
+    while leftovers(backend, state, ids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(backend, state, ids) == []
+
+
+def test_reaper_spares_live_owners(tmp_path):
+    from tests.sandbox_fixtures import require_bwrap
+
+    require_bwrap()
+    state = tmp_path / "sandboxes"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, "bwrap", str(state), "1"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        ids = json.loads(owner.stdout.readline())
+        assert reap_local(state) == []
+        assert (state / ids[0]).is_dir()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert reap_local(state) == ids
