@@ -29,7 +29,9 @@ test-fast: $(STAMP)
 	$(BIN)/pytest -q -x -m "not slow and not vllm and not docker and not gpu"
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/ingest.py
+	$(BIN)/python bench/sandbox.py
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .hypothesis

@@ -39,7 +39,9 @@ set -e
 mount -t tmpfs -o "size=${SWERVE_DISK_MB}m,mode=0755" swerve "$SWERVE_STATE/rw"
 mkdir "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/rw/work" "$SWERVE_STATE/rw/tmp"
 chmod 1777 "$SWERVE_STATE/rw/tmp"
-if [ -n "$SWERVE_LOWER" ]; then
+if [ -n "$SWERVE_WRITABLE" ]; then
+  mount --bind "$SWERVE_LOWER" "$SWERVE_STATE/merged"
+elif [ -n "$SWERVE_LOWER" ]; then
   mount -t overlay overlay -o "lowerdir=$SWERVE_LOWER,upperdir=$SWERVE_STATE/rw/upper,workdir=$SWERVE_STATE/rw/work" "$SWERVE_STATE/merged"
 else
   mount --bind "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/merged"
@@ -130,7 +132,8 @@ class BwrapSandbox(ShellSandbox):
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SWERVE_STATE": str(self.state),
                "SWERVE_CGROUP_PROCS": " ".join(self.cgroups.procs_files),
                "SWERVE_DISK_MB": str(self.limits.disk_mb),
-               "SWERVE_LOWER": str(self.config.root) if self.config.root else ""}
+               "SWERVE_LOWER": str(self.config.root) if self.config.root else "",
+               "SWERVE_WRITABLE": "1" if self.config.writable_root and self.config.root else ""}
         try:
             self.shell = await ShellSession.start(
                 ["sh", "-c", _LAUNCH, "sh", *self._bwrap_argv()],

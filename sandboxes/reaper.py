@@ -69,13 +69,18 @@ def remove_state(folder: Path, owner: Owner | None) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def reap_local(root: Path | None = None) -> list[str]:
-    """Remove state folders whose owner died or whose lifetime is over; return their names."""
+def reap_local(root: Path | None = None, prefixes: tuple[str, ...] = ("swb-", ".build-")) -> list[str]:
+    """Remove state folders whose owner died or whose lifetime is over; return their names.
+
+    Only folders named with `prefixes` are considered (sandboxes and environment builds).
+    """
     root = root or state_root()
     if not root.is_dir():
         return []
     reaped = []
     for folder in root.iterdir():
+        if not folder.name.startswith(prefixes) or not folder.is_dir():
+            continue
         try:
             owner = Owner(**json.loads((folder / "owner.json").read_text()))
         except FileNotFoundError:

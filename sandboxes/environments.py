@@ -1,0 +1,179 @@
+"""Task environments, built once per content key and reused copy-on-write by every episode.
+
+bubblewrap: a prepared folder (repository checkout plus whatever `install` made) used as the
+overlay's lower layer. Docker: an image per key, committed from a build container. A build
+may reach the package indexes; episodes get no network unless the task asks. Concurrent
+requests for one key build it once (a lock per key, in-process and across processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandboxes.base import SandboxError, SandboxLimits
+from sandboxes.reaper import Owner
+
+BUILD_PREFIX = ".build-"
+# Host package-index configuration a build sees (read-only), so installs work offline mirrors.
+PIP_CONFIG_PATHS = ("/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more")
+
+
+class EnvironmentBuildError(SandboxError):
+    """A build step failed; the message names the step and ends with its log."""
+
+    def __init__(self, step: str, log: str):
+        self.step, self.log = step, log
+        super().__init__(f"environment build failed at {step}:\n{log[-3000:]}")
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    source: str
+    """Where the repository comes from: a git URL, a local path or a git bundle file."""
+    commit: str
+    """What to check out (the task's environment_setup_commit, else its base_commit)."""
+    install: tuple[str, ...] = ()
+    """Shell commands run in order in the checkout, as the sandbox user."""
+    network: bool = True
+    """Whether install commands may reach the network (package indexes)."""
+    build_timeout_s: float = 1800.0
+
+    def key(self, backend: str, base: str = "") -> str:
+        payload = json.dumps([backend, base, self.source, self.commit, list(self.install)])
+        return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+_locks: dict[str, asyncio.Lock] = {}
+
+
+class _KeyLock:
+    """An asyncio lock per key within the process, and an flock across processes."""
+
+    def __init__(self, folder: Path, key: str):
+        self.path, self.key, self._fd = folder / f".lock-{key}", key, None
+
+    async def __aenter__(self):
+        await _locks.setdefault(self.key, asyncio.Lock()).acquire()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR)
+        await asyncio.to_thread(fcntl.flock, self._fd, fcntl.LOCK_EX)
+        return self
+
+    async def __aexit__(self, *exc):
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        _locks[self.key].release()
+
+
+def checkout(spec: EnvironmentSpec, dest: Path) -> None:
+    """Clone the source into dest and check out the commit. Raises EnvironmentBuildError."""
+    steps = [("clone", ["git", "clone", "--quiet", "--no-checkout", spec.source, str(dest)]),
+             ("checkout", ["git", "-C", str(dest), "-c", "advice.detachedHead=false",
+                           "checkout", "--quiet", spec.commit])]
+    for step, cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True,
+                              env=os.environ | {"GIT_TERMINAL_PROMPT": "0"})
+        if done.returncode != 0:
+            raise EnvironmentBuildError(f"{step} of {spec.source} at {spec.commit}",
+                                        done.stdout + done.stderr)
+
+
+async def _run_install(sandbox, spec: EnvironmentSpec) -> None:
+    for i, command in enumerate(spec.install, 1):
+        result = await sandbox.execute(command, timeout_s=spec.build_timeout_s)
+        if result.exit_code != 0:
+            reason = "timed out" if result.timed_out else f"exit {result.exit_code}"
+            raise EnvironmentBuildError(f"install step {i} ({command!r}, {reason})", result.output)
+
+
+async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:
+    """The prepared folder for spec, building it if needed; use it as BwrapSandboxConfig.root."""
+    from sandboxes.config import BwrapSandboxConfig
+
+    key = spec.key("bwrap")
+    final = cache_dir / key
+    if final.is_dir():
+        return final
+    async with _KeyLock(cache_dir, key):
+        if final.is_dir():
+            return final
+        build = cache_dir / f"{BUILD_PREFIX}{key}-{uuid.uuid4().hex[:8]}"
+        build.mkdir(parents=True)
+        Owner.me(spec.build_timeout_s + 600, kind="build").write(build)
+        try:
+            await asyncio.to_thread(checkout, spec, build / "work")
+            limits = SandboxLimits(network=spec.network, disk_mb=64, memory_mb=8192,
+                                   pids=4096, command_timeout_s=spec.build_timeout_s)
+            config = BwrapSandboxConfig(root=build / "work", writable_root=True, limits=limits,
+                                        ro_binds=tuple(p for p in PIP_CONFIG_PATHS if os.path.exists(p)))
+            async with _open(config) as sandbox:
+                await _run_install(sandbox, spec)
+            (build / "work").rename(final)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
+    return final
+
+
+async def prepare_docker(spec: EnvironmentSpec, client=None) -> str:
+    """The image for spec (`swerve-env:<key>`), built from the base image if needed."""
+    from sandboxes.config import DockerSandboxConfig
+    from sandboxes.docker import _client
+    from sandboxes.images import BASE_IMAGE, ensure_base_image
+    from sandboxes.reaper import state_root
+
+    client = client or await asyncio.to_thread(_client)
+    base = await asyncio.to_thread(ensure_base_image, client, BASE_IMAGE)
+    key = spec.key("docker", base)
+    tag = f"swerve-env:{key}"
+    if await asyncio.to_thread(_has_image, client, tag):
+        return tag
+    async with _KeyLock(state_root(), key):
+        if await asyncio.to_thread(_has_image, client, tag):
+            return tag
+        tmp = state_root() / f"{BUILD_PREFIX}{key}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        Owner.me(spec.build_timeout_s + 600, kind="build").write(tmp)
+        try:
+            await asyncio.to_thread(checkout, spec, tmp / "work")
+            limits = SandboxLimits(network=spec.network, memory_mb=8192, pids=4096,
+                                   command_timeout_s=spec.build_timeout_s, lifetime_s=spec.build_timeout_s + 600)
+            async with _open(DockerSandboxConfig(limits=limits, episode=f"build:{key}")) as sandbox:
+                await asyncio.to_thread(_copy_in, sandbox.container, tmp / "work")
+                await _run_install(sandbox, spec)
+                await asyncio.to_thread(sandbox.container.commit, repository="swerve-env", tag=key,
+                                        changes=[f"LABEL swerve.env={key}"])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tag
+
+
+def _has_image(client, tag: str) -> bool:
+    import docker
+
+    try:
+        client.images.get(tag)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def _copy_in(container, folder: Path) -> None:
+    tar = subprocess.run(["tar", "-C", str(folder), "--owner=1000", "--group=1000",
+                          "--transform", "s,^\\.,work,", "-c", "."],
+                         capture_output=True, check=True).stdout
+    container.put_archive("/", tar)
+
+
+def _open(config):
+    from sandboxes.base import open_sandbox
+
+    return open_sandbox(config)

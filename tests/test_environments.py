@@ -1,0 +1,107 @@
+"""Environments build once per key, fail with the step and its log, and leave nothing when
+the builder dies mid-build."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandboxes.base import open_sandbox
+from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
+from sandboxes.environments import EnvironmentBuildError, EnvironmentSpec, prepare_bwrap, prepare_docker
+from sandboxes.reaper import reap_local
+from tests.sandbox_fixtures import backend, require_bwrap  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+
+def git_repo(path: Path) -> tuple[str, str]:
+    """A repository with two commits; returns (first, second) commit ids."""
+    path.mkdir()
+    run = lambda *a: subprocess.run(a, cwd=path, check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    run("git", "init", "-q")
+    (path / "lib.py").write_text("VALUE = 1\n")
+    run("git", "add", "-A")
+    run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    first = run("git", "rev-parse", "HEAD")
+    (path / "lib.py").write_text("VALUE = 2\n")
+    run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "two")
+    return first, run("git", "rev-parse", "HEAD")
+
+
+async def prepare(backend: str, spec: EnvironmentSpec, cache: Path):
+    if backend == "bwrap":
+        return BwrapSandboxConfig(root=await prepare_bwrap(spec, cache), state_dir=cache / "sb")
+    return DockerSandboxConfig(image=await prepare_docker(spec))
+
+
+async def test_environment_is_built_once_and_shared_copy_on_write(backend, tmp_path):
+    first, _ = git_repo(tmp_path / "repo")
+    spec = EnvironmentSpec(source=str(tmp_path / "repo"), commit=first,
+                           install=(f"echo build >> builds.txt; python3 -m venv .venv; echo {tmp_path.name}",))
+    configs = await asyncio.gather(*(prepare(backend, spec, tmp_path / "envs") for _ in range(3)))
+    assert len({c.root if backend == "bwrap" else c.image for c in configs}) == 1
+    async with open_sandbox(configs[0]) as a, open_sandbox(configs[1]) as b:
+        r = await a.execute("cat builds.txt lib.py; git log --oneline | wc -l; .venv/bin/python -c 'print(3)'")
+        assert r.output == "build\nVALUE = 1\n1\n3\n", r.output
+        await a.execute("echo changed > lib.py")
+        assert (await b.execute("cat lib.py")).output == "VALUE = 1\n"
+    if backend == "bwrap":
+        assert (configs[0].root / "lib.py").read_text() == "VALUE = 1\n"
+
+
+async def test_failed_install_names_the_step_and_leaves_nothing(backend, tmp_path):
+    first, _ = git_repo(tmp_path / "repo")
+    spec = EnvironmentSpec(source=str(tmp_path / "repo"), commit=first,
+                           install=("true", "echo compiling; echo boom >&2; exit 3"))
+    with pytest.raises(EnvironmentBuildError) as info:
+        await prepare(backend, spec, tmp_path / "envs")
+    assert "install step 2" in str(info.value) and "boom" in str(info.value)
+    if backend == "bwrap":
+        assert [p.name for p in (tmp_path / "envs").iterdir() if not p.name.startswith((".lock", "sb"))] == []
+
+
+async def test_bad_commit_fails_at_checkout(tmp_path):
+    require_bwrap()
+    git_repo(tmp_path / "repo")
+    spec = EnvironmentSpec(source=str(tmp_path / "repo"), commit="deadbeef" * 5)
+    with pytest.raises(EnvironmentBuildError, match="checkout"):
+        await prepare_bwrap(spec, tmp_path / "envs")
+
+
+BUILDER = r"""
+import asyncio, sys
+from pathlib import Path
+from sandboxes.environments import EnvironmentSpec, prepare_bwrap
+spec = EnvironmentSpec(source=sys.argv[1], commit=sys.argv[2], install=("echo started; sleep 4343.$((2+3))",))
+asyncio.run(prepare_bwrap(spec, Path(sys.argv[3])))
+"""
+
+
+def test_builder_killed_mid_build_leaves_nothing_after_the_reaper(tmp_path):
+    from tests.test_sandboxes import host_processes_with
+
+    require_bwrap()
+    first, _ = git_repo(tmp_path / "repo")
+    envs, state = tmp_path / "envs", tmp_path / "state"
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "repo"), first, str(envs)],
+                               env={**__import__("os").environ, "SWERVE_SANDBOX_DIR": str(state)})
+    for _ in range(200):
+        if host_processes_with("4343.5"):
+            break
+        __import__("time").sleep(0.05)
+    assert host_processes_with("4343.5")
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    reaped = reap_local(envs) + reap_local(state)
+    assert any(name.startswith(".build-") for name in reaped)
+    assert any(name.startswith("swb-") for name in reaped)
+    assert not [p for p in envs.iterdir() if not p.name.startswith(".lock")]
+    assert not list(state.iterdir())
+    assert host_processes_with("4343.5") == []
