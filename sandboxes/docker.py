@@ -19,7 +19,7 @@ from sandboxes.cgroups import ROOT as CGROUP_ROOT
 from sandboxes.cgroups import Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
 from sandboxes.images import BASE_IMAGE, ensure_base_image
-from sandboxes.reaper import process_start_time
+from sandboxes.reaper import PeriodicReaper, process_start_time
 from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class DockerSandbox(ShellSandbox):
     @classmethod
     async def start(cls, config) -> DockerSandbox:
         client = await asyncio.to_thread(_client)
+        PeriodicReaper.ensure_running(docker=True)
         image = config.image or await asyncio.to_thread(ensure_base_image, client, BASE_IMAGE)
         sandbox_id = f"swd-{uuid.uuid4().hex[:16]}"
         container = await asyncio.to_thread(cls._create, client, config, image, sandbox_id)

@@ -107,13 +107,20 @@ def reap_docker(client=None) -> list[str]:
 
 
 class PeriodicReaper:
-    """One per process: reaps at start and then every `interval_s` while the loop runs."""
+    """One per process: reaps at start and then every `interval_s` while the loop runs.
+
+    Local state is always reaped; Docker containers too once a Docker sandbox was opened.
+    """
 
     _task: asyncio.Task | None = None
+    _docker = False
 
     @classmethod
-    def ensure_running(cls, interval_s: float = 60.0) -> None:
+    def ensure_running(cls, interval_s: float = 60.0, docker: bool = False) -> None:
         loop = asyncio.get_running_loop()
+        if docker and not cls._docker:
+            cls._docker = True
+            reap_docker()
         if cls._task is not None and not cls._task.done() and cls._task.get_loop() is loop:
             return
         reap_local()
@@ -124,3 +131,5 @@ class PeriodicReaper:
         while True:
             await asyncio.sleep(interval_s)
             await asyncio.to_thread(reap_local)
+            if cls._docker:
+                await asyncio.to_thread(reap_docker)

@@ -47,7 +47,7 @@ class SuiteRejectedPublic(BaseModel):
     errors: list[RecordErrorPublic]
 
 
-class TaskSummary(BaseModel):
+class _TaskIdentity(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     id: uuid.UUID
@@ -57,25 +57,19 @@ class TaskSummary(BaseModel):
     repo: str
     base_commit: str
     version: str | None
+
+
+class TaskSummary(_TaskIdentity):
     n_fail_to_pass: int
     n_pass_to_pass: int
 
 
-class TaskPublic(BaseModel):
+class TaskPublic(_TaskIdentity):
     """A task as stored; `patch` and `test_patch` are the answers, present only with the token."""
 
-    model_config = ConfigDict(from_attributes=True)
-
-    id: uuid.UUID
-    suite_id: uuid.UUID
-    position: int
-    instance_id: str
-    repo: str
-    base_commit: str
     problem_statement: str
     FAIL_TO_PASS: list[str]
     PASS_TO_PASS: list[str]
-    version: str | None
     environment_setup_commit: str | None
     hints_text: str | None
     created_at: datetime | None

@@ -74,13 +74,13 @@ def test_sigkilled_owner_leaves_nothing_after_the_reaper(backend, tmp_path):
     owner.send_signal(signal.SIGKILL)
     owner.wait()
 
+    assert leftovers(backend, state, ids)  # the owner's death alone does not clean up
     if backend == "bwrap":
-        reaped = reap_local(state)
+        reap_local(state)
     else:
         from sandboxes.docker import reap_containers
 
-        reaped = reap_containers()
-    assert set(ids) <= set(reaped)
+        reap_containers()  # (a periodic reaper in this process may have been first)
     deadline = time.monotonic() + 10
     while leftovers(backend, state, ids) and time.monotonic() < deadline:
         time.sleep(0.1)
