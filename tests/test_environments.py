@@ -105,3 +105,13 @@ def test_builder_killed_mid_build_leaves_nothing_after_the_reaper(tmp_path):
     assert not [p for p in envs.iterdir() if not p.name.startswith(".lock")]
     assert not list(state.iterdir())
     assert host_processes_with("4343.5") == []
+
+
+async def test_git_bundle_is_a_source(tmp_path):
+    require_bwrap()
+    _, second = git_repo(tmp_path / "repo")
+    bundle = tmp_path / "repo.bundle"
+    subprocess.run(["git", "bundle", "create", str(bundle), "--all"], cwd=tmp_path / "repo",
+                   check=True, capture_output=True)
+    root = await prepare_bwrap(EnvironmentSpec(source=str(bundle), commit=second), tmp_path / "envs")
+    assert (root / "lib.py").read_text() == "VALUE = 2\n"
