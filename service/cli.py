@@ -17,8 +17,12 @@ app = typer.Typer(help="swerve: SWE environments and rollouts for RL of coding a
                   no_args_is_help=True, pretty_exceptions_enable=False)
 db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 suite_app = typer.Typer(help="Task suites.", no_args_is_help=True)
+model_app = typer.Typer(help="Local models.", no_args_is_help=True)
+inference_app = typer.Typer(help="Inference servers.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(suite_app, name="suite")
+app.add_typer(model_app, name="model")
+app.add_typer(inference_app, name="inference")
 
 
 def _settings() -> Settings:
@@ -150,6 +154,72 @@ def suite_import(
     json.dump({"id": str(result.suite_id), "name": result.name,
                "task_count": result.task_count}, sys.stdout)
     sys.stdout.write("\n")
+
+
+@model_app.command("init-tiny")
+def model_init_tiny(
+    out: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
+    moe: Annotated[bool, typer.Option(help="Qwen3-MoE (8 experts, top-2) instead of dense Qwen3.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a tiny random Qwen3 model with a locally trained tokenizer and chat template."""
+    from service.tiny_model import TinyModelSpec, init_tiny
+
+    init_tiny(out, TinyModelSpec(moe=moe, seed=seed))
+    typer.echo(f"wrote {'Qwen3-MoE' if moe else 'Qwen3'} tiny model to {out}")
+
+
+@inference_app.command("serve")
+def inference_serve(
+    model: Annotated[Path, typer.Option(exists=True, file_okay=False, help="Model folder.")],
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    version: Annotated[int, typer.Option(min=0, help="Policy version these weights are.")] = 0,
+    max_model_len: Annotated[int, typer.Option(min=256, help="Context length (tokens).")] = 32768,
+) -> None:
+    """Start a vLLM server (SWERVE_VLLM_PYTHON), wait until healthy, report its version."""
+    import signal as signals
+
+    from service.vllm_server import VLLMServer, set_version
+
+    server = VLLMServer(model, port, host=host, max_model_len=max_model_len,
+                        log_path=_settings().data_dir / f"vllm-{port}.log")
+    server.log_path.parent.mkdir(parents=True, exist_ok=True)
+    typer.echo(" ".join(server.command()))
+    server.start()
+    try:
+        server.wait_ready()
+        set_version(server.url, version)
+        typer.echo(f"vLLM ready on {server.url}, serving policy version {server.served_version()} "
+                   f"(log: {server.log_path})")
+        signals.signal(signals.SIGTERM, lambda *_: server.stop())
+        server.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(1) from e
+    finally:
+        server.stop()
+
+
+@inference_app.command("plan")
+def inference_plan(
+    model: Annotated[str, typer.Option(help="Model path or name on the nodes.")],
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes in the deployment.")],
+    gpus_per_node: Annotated[int, typer.Option(min=1)] = 8,
+    preset: Annotated[str, typer.Option(help="wide-ep, pd-disagg or dense.")] = "wide-ep",
+    output: Annotated[str, typer.Option(help="shell, compose or k8s.")] = "shell",
+) -> None:
+    """Print the vLLM server commands (and a compose or Kubernetes snippet) for a deployment."""
+    from service.fleet_plan import DeploymentConfig, render
+
+    try:
+        cfg = DeploymentConfig.preset(preset, model=model, nodes=nodes, gpus_per_node=gpus_per_node)
+    except ValueError as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(render(cfg, output))
 
 
 if __name__ == "__main__":

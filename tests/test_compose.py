@@ -51,3 +51,15 @@ def test_dockerfile_copies_every_package():
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("service", "envs", "sandboxes", "trainer", "migrations"):
         assert f"COPY {package} ./{package}" in dockerfile
+
+
+@pytest.mark.parametrize(("profile", "service"), [("gpu", "vllm"), ("cpu", "vllm-cpu")])
+def test_inference_profiles(profile, service):
+    result = subprocess.run(compose_command() + ["-f", str(ROOT / "docker-compose.yml"), "--profile",
+                                                 profile, "config"],
+                            cwd=ROOT, env={**os.environ, "SWERVE_API_TOKEN": "x" * 24},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    vllm = yaml.safe_load(result.stdout)["services"][service]
+    assert "service.vllm_ext.SwerveWorkerExtension" in vllm["command"]
+    assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"

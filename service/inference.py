@@ -1,0 +1,299 @@
+"""Token-in/token-out client for a fleet of vLLM servers, and weight reloads across it.
+
+Light module (no FastAPI, no Celery): the trainer imports it to publish weights.
+Session affinity keeps an episode on one server while that server is healthy, so its
+prefix cache serves hundreds of turns; new sessions go to the least-loaded healthy server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import httpx
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+
+
+class ProviderError(Exception):
+    """The fleet could not answer after retries (episode status provider_error)."""
+
+
+class ContextExceeded(Exception):
+    """The prompt plus max_tokens would not fit the server's context (context_exhausted)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int):
+        self.prompt_tokens, self.max_tokens, self.max_model_len = prompt_tokens, max_tokens, max_model_len
+        super().__init__(f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds "
+                         f"the context of {max_model_len} tokens")
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    """-1: no top-k cut."""
+    max_tokens: int = Field(2048, ge=1)
+    """Most tokens sampled per turn."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the model's end-of-turn token."""
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    """Version served when the request started."""
+    policy_version_end: int
+    """Version served when it ended (differs when weights were reloaded mid-request)."""
+    routed_experts: np.ndarray | None = None
+    """[tokens, layers, top_k] uint8/uint16 for the prompt delta and the output, when served."""
+    server: str = ""
+    prompt_tokens: int = 0
+    latency_s: float = 0.0
+
+
+class InferenceClient(Protocol):
+    async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
+                       session: str | None = None, keep_experts_from: int = 0) -> Generation:
+        """Continue token_ids. Raises ContextExceeded or ProviderError."""
+        ...
+
+
+class FleetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["vllm"] = "vllm"
+    endpoints: list[str] = Field(min_length=1)
+    """Base URLs of vLLM servers, e.g. http://10.0.0.5:8000."""
+    model: str | None = None
+    """Served model name. None: whatever the first server lists."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(6, ge=0)
+    backoff_s: float = Field(0.5, gt=0)
+    """First retry delay; doubles each try, with jitter, up to 30 s."""
+    health_interval_s: float = Field(10.0, gt=0)
+    reload_method: str = "swerve_reload_weights"
+    """collective_rpc method for reload(): our worker extension's (repacks MoE experts on CPU);
+    "reload_weights" for servers started without it."""
+    pause_mode: Literal["keep", "wait", "abort"] = "keep"
+    """How in-flight requests ride through a reload (vLLM /pause mode)."""
+
+    def build(self) -> VLLMClient:
+        return VLLMClient(self)
+
+
+@dataclass
+class Endpoint:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    version: int = 0
+    max_model_len: int = 0
+    model: str = ""
+    failures: int = 0
+    sessions: set[str] = field(default_factory=set)
+
+
+class VLLMClient:
+    """Use `await VLLMClient(cfg).start()` (or `async with`)."""
+
+    def __init__(self, cfg: FleetConfig):
+        self.cfg = cfg
+        self.endpoints = [Endpoint(url.rstrip("/")) for url in cfg.endpoints]
+        self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
+                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self._health_task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> VLLMClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> VLLMClient:
+        await asyncio.gather(*(self._probe(ep) for ep in self.endpoints))
+        if not any(ep.healthy for ep in self.endpoints):
+            raise ProviderError(f"no healthy inference server among {[e.url for e in self.endpoints]}")
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        return self
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self._http.aclose()
+
+    @property
+    def version(self) -> int:
+        healthy = [ep.version for ep in self.endpoints if ep.healthy]
+        return min(healthy) if healthy else -1
+
+    async def _probe(self, ep: Endpoint) -> None:
+        try:
+            models = (await self._http.get(f"{ep.url}/v1/models", timeout=5.0)).raise_for_status().json()
+            info = await self._http.get(f"{ep.url}/weight_info", timeout=5.0)
+        except (httpx.HTTPError, ValueError) as e:
+            self._mark_down(ep, f"probe failed: {e}")
+            return
+        served = models["data"]
+        match = next((m for m in served if self.cfg.model in (None, m["id"])), None)
+        if match is None:
+            self._mark_down(ep, f"serves {[m['id'] for m in served]}, not {self.cfg.model}")
+            return
+        ep.model, ep.max_model_len = match["id"], int(match["max_model_len"])
+        ep.version = _parse_version(info.json().get("weight_version")) if info.status_code == 200 else 0
+        ep.healthy, ep.failures = True, 0
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            for ep in self.endpoints:
+                if not ep.healthy:
+                    await self._probe(ep)
+
+    def _mark_down(self, ep: Endpoint, why: str) -> None:
+        if ep.healthy:
+            logger.warning("inference server %s marked unhealthy: %s", ep.url, why)
+        ep.healthy = False
+        for session in list(ep.sessions):
+            self._affinity.pop(session, None)
+        ep.sessions.clear()
+
+    def _pick(self, session: str | None) -> Endpoint:
+        if session is not None and (ep := self._affinity.get(session)) is not None and ep.healthy:
+            return ep
+        healthy = [ep for ep in self.endpoints if ep.healthy]
+        if not healthy:
+            raise ProviderError("no healthy inference server")
+        ep = min(healthy, key=lambda e: (e.inflight, len(e.sessions)))
+        if session is not None:
+            self._affinity[session] = ep
+            ep.sessions.add(session)
+        return ep
+
+    def end_session(self, session: str) -> None:
+        """Forget an episode's server (call when the episode ends)."""
+        if (ep := self._affinity.pop(session, None)) is not None:
+            ep.sessions.discard(session)
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
+                       session: str | None = None, keep_experts_from: int = 0) -> Generation:
+        delay = self.cfg.backoff_s
+        last_error = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            ep = self._pick(session)
+            if ep.max_model_len and len(token_ids) + sampling.max_tokens > ep.max_model_len:
+                raise ContextExceeded(len(token_ids), sampling.max_tokens, ep.max_model_len)
+            try:
+                return await self._complete(ep, token_ids, sampling, keep_experts_from)
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code not in RETRY_STATUSES:
+                    raise ProviderError(f"{ep.url} refused the request: {e.response.status_code} "
+                                        f"{e.response.text[:500]}") from e
+                last_error = f"{ep.url}: HTTP {e.response.status_code}"
+                ep.failures += 1
+            except httpx.TransportError as e:
+                last_error = f"{ep.url}: {type(e).__name__}: {e}"
+                self._mark_down(ep, last_error)  # a server we cannot reach is down: move on
+            if attempt < self.cfg.max_retries:
+                await asyncio.sleep(min(30.0, delay) * (0.5 + random.random()))
+                delay *= 2
+        raise ProviderError(f"no answer after {self.cfg.max_retries + 1} tries; last: {last_error}")
+
+    async def _complete(self, ep: Endpoint, token_ids: list[int], sampling: SamplingParams,
+                        keep_experts_from: int) -> Generation:  # fmt: skip
+        body = {
+            "model": ep.model, "prompt": token_ids, "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+            "include_stop_str_in_output": True, "spaces_between_special_tokens": False,
+        }  # fmt: skip
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        version, started = ep.version, time.perf_counter()
+        ep.inflight += 1
+        try:
+            response = (await self._http.post(f"{ep.url}/v1/completions", json=body)).raise_for_status()
+        finally:
+            ep.inflight -= 1
+        choice = response.json()["choices"][0]
+        output_ids = list(choice["token_ids"])
+        logprobs = list(choice["logprobs"]["token_logprobs"]) if choice.get("logprobs") else []
+        if len(logprobs) != len(output_ids):
+            raise ProviderError(f"{ep.url} returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
+        experts = decode_routed_experts(choice.get("routed_experts"))
+        if experts is not None:
+            experts = experts[keep_experts_from:]
+        return Generation(output_ids=output_ids, output_logprobs=logprobs,
+                          finish_reason=choice.get("finish_reason") or "stop", policy_version=version,
+                          policy_version_end=ep.version, routed_experts=experts, server=ep.url,
+                          prompt_tokens=len(token_ids), latency_s=time.perf_counter() - started)
+
+    async def reload(self, weights_dir: str, version: int) -> list[str]:
+        """Make every healthy server serve `weights_dir` as `version`; return the servers that
+        did. A server that fails is marked unhealthy (taken out), never left on old weights."""
+        results = await asyncio.gather(*(self._reload_one(ep, weights_dir, version)
+                                         for ep in self.endpoints if ep.healthy))
+        return [url for url in results if url]
+
+    async def _reload_one(self, ep: Endpoint, weights_dir: str, version: int) -> str | None:
+        try:
+            await self._post(ep, "/pause", params={"mode": self.cfg.pause_mode})
+            try:
+                await self._post(ep, "/collective_rpc", json={
+                    "method": self.cfg.reload_method, "kwargs": {"weights_path": weights_dir}})
+                await self._post(ep, "/update_weight_version", json={"new_version": str(version)})
+            finally:
+                await self._post(ep, "/resume")
+            served = (await self._http.get(f"{ep.url}/weight_info", timeout=30)).raise_for_status().json()
+        except httpx.HTTPError as e:
+            self._mark_down(ep, f"reload to version {version} failed: {e}")
+            return None
+        if _parse_version(served.get("weight_version")) != version:
+            self._mark_down(ep, f"reports version {served.get('weight_version')} after reload to {version}")
+            return None
+        ep.version = version
+        logger.info("inference server %s now serves policy version %d", ep.url, version)
+        return ep.url
+
+    async def _post(self, ep: Endpoint, path: str, **kwargs) -> httpx.Response:
+        response = await self._http.post(f"{ep.url}{path}", timeout=600, **kwargs)
+        return response.raise_for_status()
+
+
+def _parse_version(raw) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0  # a server that was never given a version serves the initial weights
+
+
+def decode_routed_experts(raw) -> np.ndarray | None:
+    """vLLM returns routed experts as base64 of an .npy array [tokens, layers, top_k]."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        arr = np.load(io.BytesIO(base64.b64decode(raw)), allow_pickle=False)
+    else:
+        arr = np.asarray(raw)
+    if arr.ndim != 3:
+        raise ProviderError(f"routed_experts must be [tokens, layers, top_k], got shape {arr.shape}")
+    return arr.astype(np.uint8 if arr.size == 0 or arr.max() < 256 else np.uint16)

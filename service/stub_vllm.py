@@ -1,0 +1,77 @@
+"""An instant vLLM stand-in speaking the same HTTP API (completions with token ids and
+logprobs, routed experts, weight version, pause/resume, collective_rpc).
+
+For measuring client overhead and for client paths vLLM on CPU cannot produce (routed
+experts). Never used where a real server is the thing under test.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+
+def create_stub(model: str = "stub", max_model_len: int = 32768, layers: int = 0,
+                top_k: int = 0, tokens: int = 8, reload: str = "ok") -> FastAPI:  # fmt: skip
+    """layers/top_k > 0: return routed experts for prompt + output tokens, as vLLM GPU does.
+    reload: "ok", "fail" (collective_rpc answers 500) or "stale" (version never changes)."""
+    app = FastAPI()
+    state = {"version": "default", "paused": False, "calls": 0}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"data": [{"id": model, "max_model_len": max_model_len}]}
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict:
+        return {"weight_version": state["version"]}
+
+    @app.post("/update_weight_version")
+    async def update(request: Request) -> dict:
+        if reload != "stale":
+            state["version"] = (await request.json())["new_version"]
+        return {"success": True}
+
+    @app.post("/pause")
+    async def pause() -> dict:
+        state["paused"] = True
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume() -> dict:
+        state["paused"] = False
+        return {"status": "resumed"}
+
+    @app.post("/collective_rpc")
+    async def rpc(request: Request):
+        body = await request.json()
+        if reload == "fail":
+            return JSONResponse({"error": "cannot load weights"}, status_code=500)
+        return {"results": [body.get("kwargs", {}).get("weights_path")]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        state["calls"] += 1
+        prompt = body["prompt"]
+        n = min(tokens, body.get("max_tokens", tokens))
+        out = [(prompt[-1] + i + 1) % 1000 for i in range(n)] if prompt else list(range(n))
+        choice = {"index": 0, "text": "", "token_ids": out, "finish_reason": "length",
+                  "logprobs": {"token_logprobs": [-0.5] * n}, "routed_experts": None}
+        if layers and top_k:
+            ids = (np.arange((len(prompt) + n) * layers * top_k) % 97).astype(np.int32)
+            buf = io.BytesIO()
+            np.save(buf, ids.reshape(len(prompt) + n, layers, top_k))
+            choice["routed_experts"] = base64.b64encode(buf.getvalue()).decode()
+        return {"choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}}
+
+    app.state.stub = state
+    return app

@@ -1,0 +1,52 @@
+"""Client paths a CPU vLLM cannot produce, against the HTTP stub: routed experts, retries."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from service.inference import FleetConfig, ProviderError, SamplingParams, VLLMClient, decode_routed_experts
+from service.stub_vllm import create_stub
+from tests.servers import ThreadServer
+
+
+async def test_routed_experts_are_aligned_to_the_prompt_delta_and_output():
+    with ThreadServer(create_stub(layers=3, top_k=2, tokens=5)) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url])) as fleet:
+            prompt = list(range(10))
+            gen = await fleet.generate(prompt, SamplingParams(max_tokens=5), keep_experts_from=7)
+    assert gen.routed_experts.dtype == np.uint8
+    assert gen.routed_experts.shape == (3 + 5, 3, 2)  # 3 new prompt tokens + 5 sampled
+    full = (np.arange(15 * 3 * 2) % 97).reshape(15, 3, 2)
+    assert np.array_equal(gen.routed_experts, full[7:])
+
+
+@pytest.mark.parametrize(("n_experts", "dtype"), [(8, np.uint8), (384, np.uint16)])
+def test_routed_experts_dtype_follows_the_expert_count(n_experts, dtype):
+    arr = np.random.default_rng(0).integers(0, n_experts, size=(4, 2, 8)).astype(np.int32)
+    arr[0, 0, 0] = n_experts - 1
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    out = decode_routed_experts(base64.b64encode(buf.getvalue()).decode())
+    assert out.dtype == dtype and np.array_equal(out, arr)
+
+
+def test_routed_experts_of_the_wrong_rank_are_refused():
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((4, 2), dtype=np.int32))
+    with pytest.raises(ProviderError, match="layers, top_k"):
+        decode_routed_experts(base64.b64encode(buf.getvalue()).decode())
+
+
+async def test_unknown_model_makes_the_server_unhealthy():
+    with ThreadServer(create_stub(model="other")) as stub:
+        with pytest.raises(ProviderError, match="no healthy"):
+            await VLLMClient(FleetConfig(endpoints=[stub.url], model="tiny")).start()
+
+
+def test_fleet_config_refuses_an_empty_fleet():
+    with pytest.raises(ValueError, match="endpoints"):
+        FleetConfig(endpoints=[])
