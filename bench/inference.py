@@ -1,0 +1,144 @@
+"""Fleet-client overhead, side by side with direct httpx calls in one run:
+per-call latency against an instant stub server (p50/p99), and tokens/s against a real vLLM
+CPU server with the tiny model (8 concurrent sessions).
+
+    .venv/bin/python bench/inference.py [--calls 2000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from service.inference import FleetConfig, SamplingParams, VLLMClient  # noqa: E402
+from service.tiny_model import init_tiny  # noqa: E402
+from service.vllm_server import VLLMServer, set_version  # noqa: E402
+from tests.servers import free_port  # noqa: E402
+
+PROMPT = list(range(1, 200))
+
+
+def q(values: list[float], p: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
+
+
+def body(model: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0,
+            "top_p": 1.0, "top_k": -1, "logprobs": 0, "return_token_ids": True,
+            "skip_special_tokens": False, "include_stop_str_in_output": True,
+            "spaces_between_special_tokens": False}
+
+
+async def direct_calls(url: str, model: str, n: int, max_tokens: int) -> list[float]:
+    out = []
+    async with httpx.AsyncClient(timeout=600) as http:
+        for _ in range(n):
+            t = time.perf_counter()
+            r = (await http.post(f"{url}/v1/completions", json=body(model, max_tokens))).raise_for_status()
+            c = r.json()["choices"][0]
+            _ = (c["token_ids"], c["logprobs"]["token_logprobs"])
+            out.append(time.perf_counter() - t)
+    return out
+
+
+async def client_calls(url: str, n: int, max_tokens: int) -> list[float]:
+    out = []
+    async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:
+        for _ in range(n):
+            t = time.perf_counter()
+            await fleet.generate(PROMPT, SamplingParams(max_tokens=max_tokens), session="s")
+            out.append(time.perf_counter() - t)
+    return out
+
+
+async def side_by_side(url: str, model: str, sessions: int, calls: int) -> tuple[float, float]:
+    """Half the sessions through the client, half direct, at the same time (same server load)."""
+    sampling = SamplingParams(max_tokens=64)
+
+    async def via_client(fleet: VLLMClient, s: int) -> int:
+        n = 0
+        for _ in range(calls):
+            n += len((await fleet.generate(PROMPT, sampling, session=f"s{s}")).output_ids)
+        return n
+
+    async def direct(http: httpx.AsyncClient) -> int:
+        n = 0
+        for _ in range(calls):
+            r = (await http.post(f"{url}/v1/completions", json=body(model, 64))).raise_for_status()
+            n += len(r.json()["choices"][0]["token_ids"])
+        return n
+
+    async def timed(coros) -> float:
+        t = time.perf_counter()
+        tokens = sum(await asyncio.gather(*coros))
+        return tokens / (time.perf_counter() - t)
+
+    async with VLLMClient(FleetConfig(endpoints=[url])) as fleet, httpx.AsyncClient(timeout=600) as http:
+        half = sessions // 2
+        return await asyncio.gather(timed([direct(http) for _ in range(half)]),
+                                    timed([via_client(fleet, s) for s in range(half)]))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    port = free_port()
+    stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "service.stub_vllm:create_stub",
+                             "--port", str(port), "--log-level", "warning", "--no-access-log"], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(f"{url}/health")
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    try:
+        await direct_calls(url, "stub", 200, 8)  # warm up both paths
+        await client_calls(url, 200, 8)
+        direct = await direct_calls(url, "stub", args.calls, 8)
+        ours = await client_calls(url, args.calls, 8)
+    finally:
+        stub.terminate()
+        stub.wait()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny(Path(tmp) / "tiny")
+        server = VLLMServer(model, free_port(), served_name="tiny", log_path=Path(tmp) / "vllm.log").start()
+        try:
+            server.wait_ready()
+            set_version(server.url, 0)
+            await side_by_side(server.url, "tiny", 8, 2)  # warm up
+            rounds = [await side_by_side(server.url, "tiny", 8, 6) for _ in range(args.rounds)]
+        finally:
+            server.stop()
+
+    print(f"per call against an instant stub ({args.calls} calls, 199-token prompt, 8 tokens out)")
+    print(f"{'path':14} {'p50 ms':>8} {'p99 ms':>8}")
+    for name, lat in (("direct httpx", direct), ("swerve client", ours)):
+        print(f"{name:14} {statistics.median(lat) * 1e3:8.3f} {q(lat, 99) * 1e3:8.3f}")
+    overhead = statistics.median(ours) - statistics.median(direct)
+    print(f"client overhead p50: {overhead * 1e3:.3f} ms")
+    ratios = [c / d for d, c in rounds]
+    print(f"tokens/s against vLLM CPU (tiny dense model), 4 sessions direct and 4 through the client "
+          f"at the same time, 6 calls x 64 tokens each, {args.rounds} rounds:")
+    for i, (d, c) in enumerate(rounds):
+        print(f"  round {i}: direct {d:6.0f}  client {c:6.0f}  ({c / d:.3f}x)")
+    print(f"median client/direct: {statistics.median(ratios):.3f}x")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
