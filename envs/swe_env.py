@@ -1,0 +1,150 @@
+"""The SWE environment: a task's repository at its base commit in a sandbox, the tools the
+agent acts through, the agent's diff, and grading in a fresh copy.
+
+`test_patch` and `patch` never enter the agent's sandbox: grading opens a new one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envs.grading import GradingReport, RewardError, apply_patch, run_tests
+from envs.task import Task
+from envs.tools import TOOLS, Editor, ToolCall, parse_tool_call, truncate_middle
+from sandboxes.base import SandboxError, SandboxLimits, open_sandbox
+from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
+from sandboxes.environments import EnvironmentSpec, prepare_bwrap, prepare_docker
+
+EXAMPLE_BUNDLES = Path(__file__).resolve().parent / "example_suite" / "bundles"
+SYSTEM_PROMPT = (
+    "You are a software engineer fixing an issue in the repository in your current folder. "
+    "Explore with the tools, change the code so the issue is fixed, then call submit."
+)
+DEFAULT_TEST_CMD = "python -m pytest -rA -p no:cacheprovider"
+GRADING_OUTPUT_BYTES = 64 * 1024 * 1024  # test logs are parsed whole, never cut
+
+
+class SWEEnvConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["bwrap", "docker"] = "bwrap"
+    limits: SandboxLimits = SandboxLimits(command_timeout_s=180)
+    env_cache_dir: Path = Path(os.environ.get("SWERVE_DATA_DIR", "var")) / "envs"
+    """Prepared environments (bubblewrap), one folder per content key."""
+    bundle_dirs: tuple[Path, ...] = (Path(os.environ.get("SWERVE_DATA_DIR", "var")) / "bundles", EXAMPLE_BUNDLES)
+    """Where `source: bundle:NAME` is looked up (NAME.bundle)."""
+    max_observation_chars: int = Field(16000, ge=200)
+    test_timeout_s: float = Field(900, gt=0)
+    build_timeout_s: float = Field(1800, gt=0)
+    system_prompt: str = SYSTEM_PROMPT
+
+
+def resolve_source(task: Task, cfg: SWEEnvConfig) -> str:
+    source = task.source or f"https://github.com/{task.repo}.git"
+    if source.startswith("bundle:"):
+        name = source.removeprefix("bundle:")
+        for folder in cfg.bundle_dirs:
+            if (folder / f"{name}.bundle").is_file():
+                return str(folder / f"{name}.bundle")
+        raise SandboxError(f"bundle {name!r} of {task.instance_id} not found in {[str(d) for d in cfg.bundle_dirs]}")
+    return source
+
+
+async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = None,
+                         limits: SandboxLimits | None = None):  # fmt: skip
+    """The sandbox config for a task: its environment built (once) and ready to copy."""
+    limits = limits or cfg.limits
+    if task.image and cfg.backend == "docker":
+        return DockerSandboxConfig(image=task.image, limits=limits, episode=episode)
+    spec = EnvironmentSpec(source=resolve_source(task, cfg),
+                           commit=task.environment_setup_commit or task.base_commit,
+                           install=tuple(task.install or ()), build_timeout_s=cfg.build_timeout_s)
+    if cfg.backend == "docker":
+        return DockerSandboxConfig(image=await prepare_docker(spec), limits=limits, episode=episode)
+    return BwrapSandboxConfig(root=await prepare_bwrap(spec, cfg.env_cache_dir), limits=limits,
+                              episode=episode)
+
+
+@asynccontextmanager
+async def task_sandbox(task: Task, cfg: SWEEnvConfig, episode: str | None = None,
+                       limits: SandboxLimits | None = None) -> AsyncIterator:  # fmt: skip
+    """A sandbox with the task's repository at base_commit (nothing of the answers in it)."""
+    async with open_sandbox(await sandbox_config(task, cfg, episode, limits)) as sandbox:
+        r = await sandbox.execute(f"git -c advice.detachedHead=false checkout -q -f {task.base_commit}",
+                                  timeout_s=300)
+        if r.exit_code != 0:
+            raise SandboxError(f"cannot check out {task.base_commit} for {task.instance_id}: {r.output[-1000:]}")
+        yield sandbox
+
+
+@dataclass
+class StepResult:
+    observation: str
+    done: bool
+    tool_call: dict | None
+    error: str | None = None
+
+
+class SWEEnv:
+    def __init__(self, task: Task, sandbox, cfg: SWEEnvConfig):
+        self.task, self.sandbox, self.cfg = task, sandbox, cfg
+        self.editor = Editor(sandbox)
+
+    def first_messages(self) -> list[dict]:
+        return [{"role": "system", "content": self.cfg.system_prompt},
+                {"role": "user", "content": self.task.problem_statement}]
+
+    tools = TOOLS
+
+    async def step(self, text: str) -> StepResult:
+        """Act on the model's text. Raises SandboxError only if the sandbox itself is gone."""
+        parsed = parse_tool_call(text)
+        if parsed.call is None:
+            return StepResult(parsed.error, False, None, parsed.error)
+        call = parsed.call
+        record = {"name": call.name, "arguments": call.arguments}
+        if call.name == "submit":
+            return StepResult("Submitted.", True, record)
+        observation = await self._run(call)
+        return StepResult(truncate_middle(observation, self.cfg.max_observation_chars), False, record)
+
+    async def _run(self, call: ToolCall) -> str:
+        if call.name == "bash":
+            command = call.arguments.get("command")
+            if not isinstance(command, str) or not command.strip():
+                return 'bash needs a non-empty "command" string.'
+            result = await self.sandbox.execute(command)
+            status = ("timed out" if result.timed_out else f"exit code {result.exit_code}")
+            return f"{result.output}\n[{status}]" if result.output else f"[{status}]"
+        if call.name == "str_replace_editor":
+            return await self.editor.run(call.arguments)
+        return f"Unknown tool {call.name!r}; the tools are bash, str_replace_editor and submit."
+
+    async def diff(self) -> str:
+        """The agent's change against base_commit: new and binary files included."""
+        r = await self.sandbox.execute(f"git add -A && git diff --cached --binary {self.task.base_commit}"
+                                       " && git reset -q", timeout_s=300)
+        if r.exit_code != 0:
+            raise SandboxError(f"cannot take the diff: {r.output[-1000:]}")
+        return r.output
+
+
+async def grade(task: Task, diff: str, cfg: SWEEnvConfig) -> GradingReport:
+    """Apply the diff and the hidden tests in a fresh copy and grade. Raises RewardError."""
+    try:
+        limits = cfg.limits.model_copy(update={"output_limit_bytes": GRADING_OUTPUT_BYTES})
+        async with task_sandbox(task, cfg, f"grade:{task.instance_id}", limits) as sandbox:
+            await apply_patch(sandbox, diff, "agent")
+            return await run_tests(sandbox, base_commit=task.base_commit, test_patch=task.test_patch,
+                                   test_cmd=task.test_cmd or DEFAULT_TEST_CMD, parser=task.log_parser,
+                                   f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS,
+                                   timeout_s=cfg.test_timeout_s)
+    except SandboxError as e:
+        raise RewardError(f"grading sandbox failed: {e}") from e
