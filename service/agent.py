@@ -1,0 +1,220 @@
+"""The token-in/token-out agent loop.
+
+The episode's token list only grows: each turn renders just the new messages with the model's
+own tokenizer and chat template and appends them; the sampled ids are appended verbatim. So
+the concatenated input_ids + output_ids of the turns is exactly what the policy saw and made,
+and the trainer never re-tokenizes. A template that cannot extend its previous rendering
+(one that rewrites history) starts a new segment, recorded on the episode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sandboxes.base import SandboxError
+from service.inference import ContextExceeded, InferenceClient, ProviderError, SamplingParams
+
+_DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(250, ge=1)
+    """Model calls per episode."""
+    wall_clock_s: float = Field(4 * 3600.0, gt=0)
+    """Episode time budget (s), model and tool time together."""
+    max_context_tokens: int | None = Field(None, ge=256)
+    """Context budget; None: the server's. A turn that cannot fit ends the episode context_exhausted."""
+    sampling: SamplingParams = SamplingParams()
+
+
+class LimitsExceeded(Exception):
+    def __init__(self, status: str):
+        self.status = status
+        super().__init__(status)
+
+
+@dataclass
+class TurnRecord:
+    idx: int
+    segment: int
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    policy_version: int
+    finish_reason: str
+    text: str
+    tool_call: dict | None
+    observation: str | None
+    generation_s: float
+    tool_s: float
+    policy_version_end: int | None = None
+    routed_experts: Any = None
+
+
+@dataclass
+class EpisodeResult:
+    status: str
+    n_turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    segment_starts: list[int] = field(default_factory=lambda: [0])
+    policy_version_min: int | None = None
+    policy_version_max: int | None = None
+    diff: str | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+
+
+class TurnSink(Protocol):
+    async def append(self, turn: TurnRecord) -> None:
+        """Persist one finished turn (called as each turn completes)."""
+        ...
+
+
+class MemoryTurnSink:
+    def __init__(self) -> None:
+        self.turns: list[TurnRecord] = []
+
+    async def append(self, turn: TurnRecord) -> None:
+        self.turns.append(turn)
+
+
+class TokenRenderer:
+    """Renders messages to token ids incrementally with a Hugging Face tokenizer's template."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None = None):
+        self.tok, self.tools = tokenizer, tools
+        self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if self.eos_id is None or self.eos_id == tokenizer.unk_token_id:
+            self.eos_id = tokenizer.eos_token_id
+        self.eos_text = tokenizer.decode([self.eos_id])
+        marked = self._text([*_DUMMY[:1], {"role": "assistant", "content": "\x00MARK\x00"}])
+        self.after_assistant = marked[marked.index("\x00MARK\x00") + len("\x00MARK\x00"):]
+        self._dummy_text = self._text(_DUMMY)
+        self.extends = self._probe()
+
+    def _text(self, messages: list[dict], generation: bool = False, tools: list[dict] | None = None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=generation)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def _probe(self) -> bool:
+        """Does rendering more messages only append? (False for templates that rewrite history.)"""
+        convo = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "<think>r</think>a"}, {"role": "user", "content": "v"}]
+        shorter = self._text(convo[:3], tools=self.tools)
+        return self._text(convo, tools=self.tools).startswith(shorter)
+
+    def initial(self, messages: list[dict]) -> list[int]:
+        return self.encode(self._text(messages, generation=True, tools=self.tools))
+
+    def continuation(self, new_messages: list[dict], ended_with_eos: bool) -> list[int]:
+        """Tokens the template adds after a sampled assistant turn and these new messages."""
+        rest = self.after_assistant
+        if ended_with_eos and rest.startswith(self.eos_text):
+            rest = rest[len(self.eos_text):]
+        delta = self._text(_DUMMY + new_messages, generation=True)[len(self._dummy_text):]
+        return self.encode(rest + delta)
+
+    def full(self, messages: list[dict]) -> list[int]:
+        return self.encode(self._text(messages, generation=True, tools=self.tools))
+
+
+async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg: AgentConfig,
+                      sink: TurnSink, *, session: str | None = None) -> EpisodeResult:
+    """Run one episode to a final status. Failures of the sandbox or the fleet end it as data."""
+    messages = env.first_messages()
+    context = renderer.initial(messages)
+    pending = list(context)
+    result = EpisodeResult(status="running")
+    deadline = time.monotonic() + cfg.wall_clock_s
+    try:
+        while result.status == "running":
+            try:
+                if result.n_turns >= cfg.max_turns:
+                    raise LimitsExceeded("max_turns")
+                if time.monotonic() > deadline:
+                    raise LimitsExceeded("timeout")
+                sampling = _fit(cfg, len(context))
+                started = time.monotonic()
+                gen = await policy.generate(context, sampling, session=session)
+                generated = time.monotonic()
+                text = renderer.decode([t for t in gen.output_ids if t != renderer.eos_id])
+                step = await env.step(text)
+                turn = TurnRecord(
+                    idx=result.n_turns, segment=len(result.segment_starts) - 1, input_ids=pending,
+                    output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
+                    policy_version=gen.policy_version, policy_version_end=gen.policy_version_end,
+                    finish_reason=gen.finish_reason, text=text, tool_call=step.tool_call,
+                    observation=None if step.done else step.observation,
+                    generation_s=generated - started, tool_s=time.monotonic() - generated,
+                    routed_experts=gen.routed_experts,
+                )  # fmt: skip
+                _account(result, turn)
+                await sink.append(turn)
+                context = context + gen.output_ids
+                messages.append({"role": "assistant", "content": text})
+                if step.done:
+                    result.status = "submitted"
+                    break
+                tool_message = {"role": "tool", "content": step.observation}
+                messages.append(tool_message)
+                ended = bool(gen.output_ids) and gen.output_ids[-1] == renderer.eos_id
+                if renderer.extends:
+                    pending = renderer.continuation([tool_message], ended)
+                    context = context + pending
+                else:  # the template rewrites history: start a new segment from a full render
+                    pending = renderer.full(messages)
+                    context = list(pending)
+                    result.segment_starts.append(result.n_turns)
+            except ContextExceeded:
+                result.status = "context_exhausted"
+            except LimitsExceeded as stop:
+                result.status = stop.status
+        result.diff = await env.diff()
+    except SandboxError as e:
+        _failed(result, "sandbox_error", e)
+    except ProviderError as e:
+        _failed(result, "provider_error", e)
+    return result
+
+
+def _fit(cfg: AgentConfig, context_len: int) -> SamplingParams:
+    if cfg.max_context_tokens is None:
+        return cfg.sampling
+    room = cfg.max_context_tokens - context_len
+    if room < 1:
+        raise ContextExceeded(context_len, cfg.sampling.max_tokens, cfg.max_context_tokens)
+    return cfg.sampling.model_copy(update={"max_tokens": min(room, cfg.sampling.max_tokens)})
+
+
+def _account(result: EpisodeResult, turn: TurnRecord) -> None:
+    result.n_turns += 1
+    result.input_tokens += len(turn.input_ids)
+    result.output_tokens += len(turn.output_ids)
+    versions = [v for v in (turn.policy_version, turn.policy_version_end) if v is not None]
+    result.policy_version_min = min([result.policy_version_min, *versions], key=_none_high)
+    result.policy_version_max = max([result.policy_version_max, *versions], key=_none_low)
+
+
+def _none_high(v: int | None) -> float:
+    return float("inf") if v is None else v
+
+
+def _none_low(v: int | None) -> float:
+    return float("-inf") if v is None else v
+
+
+def _failed(result: EpisodeResult, status: str, error: Exception) -> None:
+    result.status, result.error_type, result.error_message = status, type(error).__name__, str(error)

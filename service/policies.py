@@ -1,0 +1,57 @@
+"""Scripted policies for harness and pipeline checks: `oracle` (applies the gold patch through
+the editor and bash tools, then submits) and `replay` (replays recorded tool calls). They go
+through the same loop and token path as a model, with the model's tokenizer, and are never
+trainable: their "samples" are the tokenizer's own encoding with logprob 0.
+"""
+
+from __future__ import annotations
+
+import json
+
+from envs.task import Task
+from service.inference import Generation, SamplingParams
+
+GOLD_PATH = "/tmp/.swerve_gold.patch"
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+class ScriptedPolicy:
+    """Answers each call with the next scripted action, then keeps submitting."""
+
+    trainable = False
+
+    def __init__(self, tokenizer, actions: list[str], name: str = "replay"):
+        self.tok, self.actions, self.name = tokenizer, list(actions), name
+        self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.calls = 0
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
+                       session: str | None = None, keep_experts_from: int = 0) -> Generation:  # fmt: skip
+        text = self.actions[self.calls] if self.calls < len(self.actions) else tool_call_text("submit", {})
+        self.calls += 1
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.eos_id]
+        return Generation(output_ids=ids, output_logprobs=[0.0] * len(ids), finish_reason="stop",
+                          policy_version=-1, policy_version_end=-1, server=self.name,
+                          prompt_tokens=len(token_ids))
+
+
+def oracle_actions(task: Task) -> list[str]:
+    if not task.patch:
+        raise ValueError(f"{task.instance_id} has no gold patch; the oracle policy needs one")
+    return [
+        tool_call_text("str_replace_editor", {"command": "create", "path": GOLD_PATH, "file_text": task.patch}),
+        tool_call_text("bash", {"command": f"git apply --whitespace=nowarn {GOLD_PATH} && rm {GOLD_PATH} && git status --short"}),
+        tool_call_text("submit", {}),
+    ]
+
+
+def oracle(tokenizer, task: Task) -> ScriptedPolicy:
+    return ScriptedPolicy(tokenizer, oracle_actions(task), name="oracle")
+
+
+def replay(tokenizer, calls: list[dict]) -> ScriptedPolicy:
+    """calls: [{"name": ..., "arguments": {...}}, ...] as recorded on turns."""
+    return ScriptedPolicy(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls])
