@@ -148,6 +148,7 @@ async def prepare_docker(spec: EnvironmentSpec, client=None) -> str:
                                    command_timeout_s=spec.build_timeout_s, lifetime_s=spec.build_timeout_s + 600)
             async with _open(DockerSandboxConfig(limits=limits, episode=f"build:{key}")) as sandbox:
                 await asyncio.to_thread(_copy_in, sandbox.container, tmp / "work")
+                await asyncio.to_thread(_copy_host_index_config, sandbox.container)
                 await _run_install(sandbox, spec)
                 await asyncio.to_thread(sandbox.container.commit, repository="swerve-env", tag=key,
                                         changes=[f"LABEL swerve.env={key}"])
@@ -171,6 +172,23 @@ def _copy_in(container, folder: Path) -> None:
                           "--transform", "s,^\\.,work,", "-c", "."],
                          capture_output=True, check=True).stdout
     container.put_archive("/", tar)
+
+
+HOST_INDEX_FILES = ("/etc/pip.conf", "/etc/ssl/certs/ca-certificates.crt")
+
+
+def _copy_host_index_config(container) -> None:
+    """Give a Docker build the host's pip configuration and CA bundle (package-index proxies)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path in HOST_INDEX_FILES:
+            if os.path.isfile(path):
+                tar.add(os.path.realpath(path), arcname=path.lstrip("/"))
+    if buf.tell():
+        container.put_archive("/", buf.getvalue())
 
 
 def _open(config):

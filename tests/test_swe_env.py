@@ -1,0 +1,145 @@
+"""The SWE environment end to end on real sandboxes: the oracle policy earns 1.0 and the empty
+patch 0.0 on every example task, on both backends; tools answer bad calls with observations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from envs.grading import RewardError
+from envs.swe_env import SWEEnv, SWEEnvConfig, grade, task_sandbox
+from envs.task import Task
+from service.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
+from service.policies import oracle, replay
+from service.tiny_model import init_tiny
+from tests.sandbox_fixtures import backend  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+SUITE = Path(__file__).resolve().parent.parent / "envs" / "example_suite" / "suite.jsonl"
+TASKS = [Task.model_validate(json.loads(line)) for line in SUITE.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(init_tiny(tmp_path_factory.mktemp("tok") / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def env_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("envs")
+
+
+def config(backend: str, env_cache: Path) -> SWEEnvConfig:
+    return SWEEnvConfig(backend=backend, env_cache_dir=env_cache)
+
+
+def test_example_suite_has_twenty_tasks_over_several_repositories():
+    assert len(TASKS) >= 20 and len({t.repo for t in TASKS}) >= 4
+    assert all(t.patch and t.test_patch and t.FAIL_TO_PASS for t in TASKS)
+
+
+async def test_oracle_earns_one_and_empty_patch_zero_on_every_task(backend, env_cache, tokenizer):
+    cfg = config(backend, env_cache)
+    renderer = TokenRenderer(tokenizer, SWEEnv.tools)
+    for task in TASKS:
+        async with task_sandbox(task, cfg) as sandbox:
+            sink = MemoryTurnSink()
+            result = await run_episode(oracle(tokenizer, task), SWEEnv(task, sandbox, cfg), renderer,
+                                       AgentConfig(max_turns=10), sink)
+        assert (result.status, result.n_turns) == ("submitted", 3), task.instance_id
+        assert (await grade(task, result.diff, cfg)).reward() == 1.0, task.instance_id
+        empty = await grade(task, "", cfg)
+        assert empty.reward() == 0.0 and empty.fail_to_pass["success"] == [], task.instance_id
+
+
+async def test_agent_cannot_see_the_hidden_tests(env_cache):
+    task = TASKS[0]
+    cfg = config("bwrap", env_cache)
+    async with task_sandbox(task, cfg) as sandbox:
+        listing = await sandbox.execute("ls tests; git log --all --oneline | wc -l; grep -r test_truncate_uses . || true")
+    assert "test_issue" not in listing.output
+    assert "test_truncate_uses_the_whole_length" not in listing.output
+
+
+async def test_patch_that_does_not_apply_is_a_reward_error_not_zero(env_cache):
+    task = TASKS[0]
+    bad = "diff --git a/nothing.py b/nothing.py\n--- a/nothing.py\n+++ b/nothing.py\n@@ -1 +1 @@\n-x\n+y\n"
+    with pytest.raises(RewardError, match="does not apply"):
+        await grade(task, bad, config("bwrap", env_cache))
+
+
+async def test_new_and_binary_files_are_in_the_diff(env_cache, tokenizer):
+    task = TASKS[0]
+    cfg = config("bwrap", env_cache)
+    async with task_sandbox(task, cfg) as sandbox:
+        env = SWEEnv(task, sandbox, cfg)
+        await sandbox.execute("echo 'new' > added.txt && printf '\\x00\\x01\\x02' > blob.bin")
+        diff = await env.diff()
+    assert "added.txt" in diff and "GIT binary patch" in diff
+
+
+BAD_CALLS = {
+    "no tool call": ("I think the bug is in trunc.py", "No tool call found"),
+    "broken JSON": ('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"\n</tool_call>', "not valid JSON"),
+    "unknown tool": ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', "Unknown tool"),
+    "bash without command": ('<tool_call>\n{"name": "bash", "arguments": {}}\n</tool_call>', 'needs a non-empty "command"'),
+    "editor bad command": ('<tool_call>\n{"name": "str_replace_editor", "arguments": {"command": "delete", "path": "a"}}\n</tool_call>', "Unknown command"),
+    "zero matches": ('<tool_call>\n{"name": "str_replace_editor", "arguments": {"command": "str_replace", "path": "textkit/trunc.py", "old_str": "NOT THERE", "new_str": "x"}}\n</tool_call>', "occurs 0 times"),
+    "several matches": ('<tool_call>\n{"name": "str_replace_editor", "arguments": {"command": "str_replace", "path": "textkit/trunc.py", "old_str": "text", "new_str": "x"}}\n</tool_call>', "must occur exactly once"),
+    "create existing": ('<tool_call>\n{"name": "str_replace_editor", "arguments": {"command": "create", "path": "textkit/trunc.py", "file_text": "x"}}\n</tool_call>', "already exists"),
+    "missing file": ('<tool_call>\n{"name": "str_replace_editor", "arguments": {"command": "view", "path": "nope.py"}}\n</tool_call>', "does not exist"),
+    "binary output": ('<tool_call>\n{"name": "bash", "arguments": {"command": "head -c 3000 /dev/urandom"}}\n</tool_call>', "exit code 0"),
+    "binary view": ('<tool_call>\n{"name": "str_replace_editor", "arguments": {"command": "view", "path": "/tmp/b.bin"}}\n</tool_call>', "binary file"),
+    "10 MB view": ('<tool_call>\n{"name": "str_replace_editor", "arguments": {"command": "view", "path": "/tmp/big.txt"}}\n</tool_call>', "too large to view whole"),
+    "huge output": ('<tool_call>\n{"name": "bash", "arguments": {"command": "seq 1 200000"}}\n</tool_call>', "cut from the middle"),
+}
+
+
+async def test_bad_tool_calls_get_clear_observations(env_cache):
+    task = TASKS[0]
+    cfg = config("bwrap", env_cache)
+    async with task_sandbox(task, cfg) as sandbox:
+        await sandbox.execute("printf '\\x00\\x01binary' > /tmp/b.bin && head -c 10000000 /dev/zero | tr '\\0' x > /tmp/big.txt")
+        env = SWEEnv(task, sandbox, cfg)
+        for name, (text, expected) in BAD_CALLS.items():
+            step = await env.step(text)
+            assert expected in step.observation and not step.done, (name, step.observation[:300])
+            assert len(step.observation) <= cfg.max_observation_chars + 100, name
+
+
+async def test_editor_edits_and_undo(env_cache):
+    task = TASKS[0]
+    cfg = config("bwrap", env_cache)
+
+    def call(**arguments) -> str:
+        return "<tool_call>\n" + json.dumps({"name": "str_replace_editor", "arguments": arguments}) + "\n</tool_call>"
+
+    async with task_sandbox(task, cfg) as sandbox:
+        env = SWEEnv(task, sandbox, cfg)
+        view = await env.step(call(command="view", path="textkit/trunc.py", view_range=[1, 2]))
+        assert view.observation.startswith("     1\tdef truncate")
+        await env.step(call(command="str_replace", path="textkit/trunc.py", old_str="length - len(suffix) - 1", new_str="length - len(suffix)"))
+        await env.step(call(command="insert", path="textkit/trunc.py", insert_line=0, new_str="# fixed"))
+        assert (await sandbox.read_file("textkit/trunc.py")).startswith(b"# fixed\n")
+        await env.step(call(command="undo_edit", path="textkit/trunc.py"))
+        await env.step(call(command="undo_edit", path="textkit/trunc.py"))
+        assert b"length - len(suffix) - 1" in await sandbox.read_file("textkit/trunc.py")
+        listing = await env.step(call(command="view", path="."))
+        assert "textkit/trunc.py" in listing.observation
+
+
+async def test_replay_policy_runs_recorded_calls(env_cache, tokenizer):
+    task = TASKS[0]
+    cfg = config("bwrap", env_cache)
+    calls = [{"name": "bash", "arguments": {"command": "cd textkit && pwd"}},
+             {"name": "bash", "arguments": {"command": "pwd"}}, {"name": "submit", "arguments": {}}]
+    async with task_sandbox(task, cfg) as sandbox:
+        sink = MemoryTurnSink()
+        result = await run_episode(replay(tokenizer, calls), SWEEnv(task, sandbox, cfg),
+                                   TokenRenderer(tokenizer, SWEEnv.tools), AgentConfig(), sink)
+    assert result.status == "submitted" and [t.tool_call["name"] for t in sink.turns] == ["bash", "bash", "submit"]
+    assert sink.turns[1].observation.startswith("/work/textkit")
+    assert result.diff == ""
