@@ -1,0 +1,138 @@
+"""The agent loop's token bookkeeping and stop rules, with the tiny model's real tokenizer and a
+scripted policy and environment (pure logic: no sandbox, no server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from envs.swe_env import StepResult
+from envs.tools import TOOLS, parse_tool_call
+from service.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
+from service.inference import ContextExceeded, SamplingParams
+from service.policies import ScriptedPolicy, tool_call_text
+from service.tiny_model import init_tiny
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(init_tiny(tmp_path_factory.mktemp("tok") / "tiny"))
+
+
+class ScriptedEnv:
+    """Answers every tool call with the next scripted observation; submit ends it."""
+
+    tools = TOOLS
+
+    def __init__(self, observations: list[str]):
+        self.observations = list(observations)
+        self.steps = 0
+
+    def first_messages(self) -> list[dict]:
+        return [{"role": "system", "content": "Fix it."}, {"role": "user", "content": "The bug is in lib.py."}]
+
+    async def step(self, text: str) -> StepResult:
+        parsed = parse_tool_call(text)
+        if parsed.call is not None and parsed.call.name == "submit":
+            return StepResult("Submitted.", True, {"name": "submit", "arguments": {}})
+        obs = self.observations[self.steps % len(self.observations)] if self.observations else ""
+        self.steps += 1
+        call = {"name": parsed.call.name, "arguments": parsed.call.arguments} if parsed.call else None
+        return StepResult(obs if parsed.call else parsed.error, False, call)
+
+    async def diff(self) -> str:
+        return ""
+
+
+def full_rendering(tokenizer, env, turns) -> list[int]:
+    messages = env.first_messages()
+    for turn in turns:
+        messages.append({"role": "assistant", "content": turn.text})
+        if turn.observation is not None:
+            messages.append({"role": "tool", "content": turn.observation})
+    ids = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+text = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="<>\x00"), max_size=60)
+action = st.one_of(
+    st.builds(lambda c: tool_call_text("bash", {"command": c}), text),
+    st.builds(lambda p, s: tool_call_text("str_replace_editor", {"command": "view", "path": p, "view_range": s}),
+              text, st.lists(st.integers(-5, 500), max_size=2)),
+    text.map(lambda t: "Thinking: " + t),  # no tool call at all
+)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=st.lists(action, min_size=300, max_size=340), observations=st.lists(text, min_size=1, max_size=20))
+async def test_turn_tokens_concatenate_to_the_full_rendering(tokenizer, actions, observations):
+    env = ScriptedEnv(observations)
+    sink = MemoryTurnSink()
+    policy = ScriptedPolicy(tokenizer, actions + [tool_call_text("submit", {})])
+    result = await run_episode(policy, env, TokenRenderer(tokenizer, TOOLS), AgentConfig(max_turns=400), sink)
+    assert result.status == "submitted" and result.n_turns == len(actions) + 1
+    ids = [i for turn in sink.turns for i in turn.input_ids + turn.output_ids]
+    full = full_rendering(tokenizer, env, sink.turns)
+    # the template closes the last assistant message with a newline the model never sampled
+    assert ids == full[: len(ids)] and tokenizer.decode(full[len(ids):]) == "\n"
+    assert result.segment_starts == [0]
+    assert all(turn.output_logprobs == [0.0] * len(turn.output_ids) for turn in sink.turns)
+
+
+@pytest.mark.parametrize(("cfg", "status"), [
+    (AgentConfig(max_turns=3), "max_turns"),
+    (AgentConfig(wall_clock_s=1e-9), "timeout"),
+    (AgentConfig(max_context_tokens=2500), "context_exhausted"),
+])
+async def test_stop_rules(tokenizer, cfg, status):
+    policy = ScriptedPolicy(tokenizer, [tool_call_text("bash", {"command": "ls " * 20})] * 50)
+    sink = MemoryTurnSink()
+    result = await run_episode(policy, ScriptedEnv(["x" * 200]), TokenRenderer(tokenizer, TOOLS), cfg, sink)
+    assert result.status == status
+    assert result.n_turns == len(sink.turns)
+    if status == "context_exhausted":  # still trainable data: every turn kept
+        assert 0 < result.n_turns < 50
+
+
+async def test_provider_failure_ends_the_episode_as_data(tokenizer):
+    from service.inference import ProviderError
+
+    class DeadFleet:
+        async def generate(self, *a, **k):
+            raise ProviderError("no healthy inference server")
+
+    result = await run_episode(DeadFleet(), ScriptedEnv(["x"]), TokenRenderer(tokenizer, TOOLS), AgentConfig(), MemoryTurnSink())
+    assert (result.status, result.error_type) == ("provider_error", "ProviderError")
+
+
+class HistoryRewritingTokenizer:
+    """The tiny tokenizer with a template that drops earlier reasoning (as Qwen3's does)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.unk_token_id, self.eos_token_id = tok.unk_token_id, tok.eos_token_id
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def apply_chat_template(self, messages, **kw):
+        last_user = max((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), default=-1)
+        kept = [{**m, "content": m["content"].split("</think>")[-1]} if m["role"] == "assistant" and i < last_user else m
+                for i, m in enumerate(messages)]
+        return self.tok.apply_chat_template(kept, **kw)
+
+
+async def test_template_that_rewrites_history_starts_new_segments(tokenizer):
+    tok = HistoryRewritingTokenizer(tokenizer)
+    renderer = TokenRenderer(tok, TOOLS)
+    assert renderer.extends is False
+    actions = ["<think>look</think>" + tool_call_text("bash", {"command": "ls"})] * 3 + [tool_call_text("submit", {})]
+    sink = MemoryTurnSink()
+    result = await run_episode(ScriptedPolicy(tokenizer, actions), ScriptedEnv(["a"]), renderer, AgentConfig(), sink)
+    assert result.status == "submitted"
+    assert result.segment_starts == [0, 1, 2, 3]
+    assert [t.segment for t in sink.turns] == [0, 1, 2, 3]
