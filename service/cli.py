@@ -156,6 +156,49 @@ def suite_import(
     sys.stdout.write("\n")
 
 
+@suite_app.command("validate")
+def suite_validate(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True)],
+    only: Annotated[list[str] | None, typer.Option(help="Validate only these instance ids.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
+    backend: Annotated[str, typer.Option(help="Sandbox backend: bwrap or docker.")] = "bwrap",
+    concurrency: Annotated[int, typer.Option(min=1)] = 4,
+) -> None:
+    """Check every task: the gold patch must be FULL, the empty patch must fail every FAIL_TO_PASS."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from envs.swe_env import SWEEnvConfig
+    from envs.task import Task
+    from envs.validate import validate_suite
+
+    settings = _settings()
+    tasks = [Task.model_validate(json.loads(line)) for line in file.read_text().splitlines() if line.strip()] \
+        if not str(file).endswith(".json") else [Task.model_validate(t) for t in json.loads(file.read_text())]
+    if only:
+        missing = set(only) - {t.instance_id for t in tasks}
+        if missing:
+            typer.secho(f"not in {file}: {', '.join(sorted(missing))}", fg="red", err=True)
+            raise typer.Exit(2)
+        tasks = [t for t in tasks if t.instance_id in only]
+    cfg = SWEEnvConfig(backend=backend, env_cache_dir=settings.data_dir / "envs",
+                       bundle_dirs=(file.parent / "bundles", settings.data_dir / "bundles"))
+    results = asyncio.run(validate_suite(tasks, cfg, concurrency))
+    if as_json:
+        json.dump([r.to_json() for r in results], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        table = Table(title=f"{file.name}: {sum(r.valid for r in results)}/{len(results)} valid")
+        for column in ("instance", "valid", "gold", "empty", "gold s", "empty s", "problem"):
+            table.add_column(column)
+        for r in results:
+            table.add_row(r.instance_id, "yes" if r.valid else "NO", (r.gold or {}).get("resolution", "-"),
+                          (r.empty or {}).get("resolution", "-"), f"{r.gold_s:.2f}", f"{r.empty_s:.2f}", r.error or "")
+        Console().print(table)
+    if not all(r.valid for r in results):
+        raise typer.Exit(1)
+
+
 @model_app.command("init-tiny")
 def model_init_tiny(
     out: Annotated[Path, typer.Argument(help="Folder to write the model into.")],

@@ -143,3 +143,37 @@ async def test_replay_policy_runs_recorded_calls(env_cache, tokenizer):
     assert result.status == "submitted" and [t.tool_call["name"] for t in sink.turns] == ["bash", "bash", "submit"]
     assert sink.turns[1].observation.startswith("/work/textkit")
     assert result.diff == ""
+
+
+def run_validate(args: list[str], data_dir: Path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"SWERVE_DATA_DIR": str(data_dir)}
+    return subprocess.run([sys.executable, "-m", "service.cli", "suite", "validate", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_validate_cli_json_cache_and_invalid_tasks(tmp_path):
+    import shutil
+    import time
+
+    ids = [TASKS[0].instance_id, TASKS[5].instance_id]
+    first = run_validate([str(SUITE), "--json", *sum((["--only", i] for i in ids), [])], tmp_path)
+    assert first.returncode == 0, first.stderr
+    results = json.loads(first.stdout)
+    assert [r["instance_id"] for r in results] == ids and all(r["valid"] for r in results)
+    assert results[0]["gold"]["resolution"] == "FULL" and results[0]["empty"]["resolution"] == "NO"
+    started = time.monotonic()
+    assert run_validate([str(SUITE), "--only", ids[0]], tmp_path).returncode == 0
+    assert time.monotonic() - started < 15  # environments are cached
+
+    broken = tmp_path / "broken" / "suite.jsonl"
+    broken.parent.mkdir()
+    shutil.copytree(SUITE.parent / "bundles", broken.parent / "bundles")
+    task = json.loads(SUITE.read_text().splitlines()[0])
+    task["patch"] = ""  # no fix: the gold patch cannot resolve it
+    broken.write_text(json.dumps(task) + "\n")
+    refused = run_validate([str(broken)], tmp_path)
+    assert refused.returncode == 1 and "NO" in refused.stdout
