@@ -32,6 +32,7 @@ db: $(STAMP)
 	$(BIN)/swerve db upgrade
 
 run: db
+	$(BIN)/swerve suite import envs/example_suite/suite.jsonl --name example --skip-existing
 	$(BIN)/swerve serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP) $(VLLM_STAMP)

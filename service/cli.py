@@ -121,6 +121,7 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="Target, e.g. base
 def suite_import(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True)],
     name: Annotated[str | None, typer.Option(help="Suite name (default: the file's stem).")] = None,
+    skip_existing: Annotated[bool, typer.Option(help="Do nothing if a suite of that name exists.")] = False,
 ) -> None:
     """Import a SWE-bench suite (JSONL or a JSON array); a bad record imports nothing."""
     from service import suites
@@ -146,6 +147,12 @@ def suite_import(
             where = f"line {err.line}" if err.line is not None else f"index {err.index}"
             typer.echo(f"{file}:{where}: {err.instance_id or '-'}: {err.field or '(record)'}: "
                        f"{err.message}", err=True)
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(1) from e
+    except suites.SuiteNameTaken as e:
+        if skip_existing:
+            typer.echo(f"suite {name or file.stem!r} already imported")
+            return
         typer.secho(str(e), fg="red", err=True)
         raise typer.Exit(1) from e
     except suites.SuiteImportError as e:

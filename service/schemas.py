@@ -47,6 +47,24 @@ class SuiteRejectedPublic(BaseModel):
     errors: list[RecordErrorPublic]
 
 
+class TaskValidationPublic(BaseModel):
+    task_id: uuid.UUID
+    instance_id: str
+    valid: bool
+    gold: str | None
+    """Resolution with the gold patch (FULL when valid); None when grading failed."""
+    empty: str | None
+    """Resolution with no change (never FULL when valid)."""
+    error: str | None
+
+
+class SuiteValidationPublic(BaseModel):
+    status: str
+    """never, running, done or failed."""
+    validated_at: datetime | None
+    results: list[TaskValidationPublic]
+
+
 class _TaskIdentity(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 

@@ -180,6 +180,19 @@ def task_row(task: Task, suite_id: uuid.UUID, position: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def task_from_row(row: TaskRow) -> Task:
+    """The task record of a stored row (answers included: for the harness, never the agent)."""
+    return Task.model_validate({
+        "instance_id": row.instance_id, "repo": row.repo, "base_commit": row.base_commit,
+        "problem_statement": row.problem_statement, "test_patch": row.test_patch,
+        "FAIL_TO_PASS": row.fail_to_pass, "PASS_TO_PASS": row.pass_to_pass, "patch": row.patch,
+        "version": row.version, "environment_setup_commit": row.environment_setup_commit,
+        "hints_text": row.hints_text, "created_at": row.task_created_at, "source": row.source,
+        "image": row.image, "install": row.install, "test_cmd": row.test_cmd,
+        "log_parser": row.log_parser, **(row.extra or {}),
+    })  # fmt: skip
+
+
 async def _name_taken(conn: AsyncConnection, name: str) -> bool:
     query = sa.select(Suite.id).where(Suite.name == name, Suite.deleted_at.is_(None))
     return (await conn.execute(query)).first() is not None

@@ -63,6 +63,9 @@ class Suite(Base):
     created_at: Mapped[datetime] = _created_at()
     deleted_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     """Set when the suite is deleted while finished runs still reference its tasks."""
+    validation_status: Mapped[str | None] = mapped_column(sa.String(16))
+    """None (never validated), running, done or failed."""
+    validated_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
 
 
 class Task(Base):
@@ -98,6 +101,8 @@ class Task(Base):
     log_parser: Mapped[str] = mapped_column(sa.String(64))
     extra: Mapped[dict | None] = mapped_column(JSONType)
     """Fields of the record that swerve does not know, kept verbatim."""
+    validation: Mapped[dict | None] = mapped_column(JSONType)
+    """The last validation: gold and empty-patch reports, whether the task is valid."""
 
 
 class Policy(Base):

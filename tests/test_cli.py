@@ -76,6 +76,8 @@ def test_db_upgrade_and_suite_import(env, tmp_path):
     assert json.loads(ok.stdout)["task_count"] == 3
     again = run_cli(["suite", "import", str(SAMPLE), "--name", "sample"], env)
     assert again.returncode == 1 and "exists" in again.stderr
+    skipped = run_cli(["suite", "import", str(SAMPLE), "--name", "sample", "--skip-existing"], env)
+    assert skipped.returncode == 0 and "already imported" in skipped.stdout
 
 
 def _free_port() -> int:

@@ -177,3 +177,27 @@ def test_validate_cli_json_cache_and_invalid_tasks(tmp_path):
     broken.write_text(json.dumps(task) + "\n")
     refused = run_validate([str(broken)], tmp_path)
     assert refused.returncode == 1 and "NO" in refused.stdout
+
+
+async def test_api_validates_a_suite_in_the_background(db_url, tmp_path):
+    import asyncio
+
+    from tests.conftest import auth, client_for, make_settings
+
+    body = "\n".join(SUITE.read_text().splitlines()[:2]) + "\n"
+    async with client_for(make_settings(db_url, data_dir=tmp_path)) as client:
+        suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
+                                   headers={"Content-Type": "application/x-ndjson", **auth()})).json()
+        url = f"/api/v1/suites/{suite['id']}"
+        assert (await client.get(f"{url}/validation")).json() == {"status": "never", "validated_at": None, "results": []}
+        assert (await client.post(f"{url}/validate")).status_code == 401
+        started = await client.post(f"{url}/validate", headers=auth())
+        assert started.status_code == 202
+        assert (await client.post(f"{url}/validate", headers=auth())).status_code == 409
+        for _ in range(600):
+            state = (await client.get(f"{url}/validation")).json()
+            if state["status"] != "running":
+                break
+            await asyncio.sleep(0.2)
+    assert state["status"] == "done"
+    assert [(r["valid"], r["gold"], r["empty"]) for r in state["results"]] == [(True, "FULL", "NO")] * 2

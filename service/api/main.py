@@ -23,7 +23,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         app.state.engine = db.make_async_engine(settings.resolved_database_url)
         app.state.sessions = db.session_factory(app.state.engine)
+        app.state.background = set()
         yield
+        for job in list(app.state.background):
+            job.cancel()
         await app.state.engine.dispose()
 
     app = FastAPI(title="swerve", version="0.1.0", lifespan=lifespan,

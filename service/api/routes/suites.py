@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Annotated
 
@@ -11,7 +12,16 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from service import suites as importer
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep, SettingsDep
 from service.api.routes.tasks import task_summary
-from service.schemas import HTTPValidationError, Page, Problem, SuiteCreated, SuitePublic, SuiteRejectedPublic, TaskSummary
+from service.schemas import (
+    HTTPValidationError,
+    Page,
+    Problem,
+    SuiteCreated,
+    SuitePublic,
+    SuiteRejectedPublic,
+    SuiteValidationPublic,
+    TaskSummary,
+)
 from service.tables import RUN_ACTIVE_STATUSES, Run, Suite, Task, utcnow
 
 router = APIRouter(prefix="/suites", tags=["suites"])
@@ -97,6 +107,36 @@ async def list_suite_tasks(
     )
     return {"items": [task_summary(t) for t in rows], "total": total,
             "limit": limit, "offset": offset}
+
+
+@router.post("/{suite_id}/validate", status_code=202, dependencies=TOKEN_REQUIRED,
+             responses={401: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}})
+async def validate_suite(request: Request, session: SessionDep, engine: EngineDep,
+                         settings: SettingsDep, suite_id: uuid.UUID) -> dict:
+    """Start validating every task (gold patch FULL, empty patch failing) in the background."""
+    from service.validation import run_suite_validation
+
+    suite = await live_suite(session, suite_id)
+    if suite.validation_status == "running":
+        raise HTTPException(status_code=409, detail="a validation of this suite is already running")
+    suite.validation_status = "running"
+    await session.commit()
+    job = asyncio.get_running_loop().create_task(run_suite_validation(engine, settings, suite_id))
+    request.app.state.background.add(job)
+    job.add_done_callback(request.app.state.background.discard)
+    return {"status": "running", "results": f"/api/v1/suites/{suite_id}/validation"}
+
+
+@router.get("/{suite_id}/validation", response_model=SuiteValidationPublic, responses={404: {"model": Problem}})
+async def show_validation(session: SessionDep, suite_id: uuid.UUID) -> dict:
+    suite = await live_suite(session, suite_id)
+    rows = await session.execute(sa.select(Task.id, Task.instance_id, Task.validation)
+                                 .where(Task.suite_id == suite_id).order_by(Task.position))
+    results = [{"task_id": r.id, "instance_id": r.instance_id, "valid": r.validation["valid"],
+                "gold": (r.validation["gold"] or {}).get("resolution"),
+                "empty": (r.validation["empty"] or {}).get("resolution"), "error": r.validation["error"]}
+               for r in rows if r.validation]
+    return {"status": suite.validation_status or "never", "validated_at": suite.validated_at, "results": results}
 
 
 @router.delete("/{suite_id}", status_code=204, dependencies=TOKEN_REQUIRED,
