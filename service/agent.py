@@ -136,7 +136,7 @@ async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg
     """Run one episode to a final status. Failures of the sandbox or the fleet end it as data."""
     messages = env.first_messages()
     context = renderer.initial(messages)
-    pending = list(context)
+    pending = list(context)  # the first turn's input: the whole prompt
     result = EpisodeResult(status="running")
     deadline = time.monotonic() + cfg.wall_clock_s
     try:
@@ -163,7 +163,7 @@ async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg
                 )  # fmt: skip
                 _account(result, turn)
                 await sink.append(turn)
-                context = context + gen.output_ids
+                context.extend(gen.output_ids)
                 messages.append({"role": "assistant", "content": text})
                 if step.done:
                     result.status = "submitted"
@@ -173,7 +173,7 @@ async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg
                 ended = bool(gen.output_ids) and gen.output_ids[-1] == renderer.eos_id
                 if renderer.extends:
                     pending = renderer.continuation([tool_message], ended)
-                    context = context + pending
+                    context.extend(pending)
                 else:  # the template rewrites history: start a new segment from a full render
                     pending = renderer.full(messages)
                     context = list(pending)
