@@ -3,7 +3,7 @@ in one run with mini-swe-agent driven by an equivalent scripted model over the s
 steps. Ours: scripted policy, tiny model's tokenizer and chat template, bubblewrap sandbox, an
 episode that reaches ~131k tokens by turn 300. mini: DeterministicModel + LocalEnvironment.
 
-    .venv/bin/python bench/agent_loop.py [--turns 300] [--obs-chars 1500]
+    .venv/bin/python bench/agent_loop.py [--turns 300] [--obs-chars 750]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def describe(name: str, overhead: list[float]) -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=300)
-    parser.add_argument("--obs-chars", type=int, default=1500)
+    parser.add_argument("--obs-chars", type=int, default=750)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         our_overhead, tokens = await ours(args.turns, args.obs_chars, Path(tmp))
