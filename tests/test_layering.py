@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-LIGHT = ["service.records", "service.tables", "service.db", "service.config", "envs.task"]
+LIGHT = ["service.records", "service.tables", "service.db", "service.config", "service.buffer",
+         "service.inference", "envs.task"]
 
 
 @pytest.mark.parametrize("module", LIGHT)

@@ -1,0 +1,186 @@
+"""The trajectory buffer in the database: turns are appended as they complete, a group becomes
+ready when all its episodes are final, and the trainer claims ready groups under a lease.
+
+A claim is committed when the training step that used it commits; a lease that expires
+returns its groups, so a crashed trainer loses nothing and trains on nothing twice. On
+PostgreSQL claims use `FOR UPDATE SKIP LOCKED`; SQLite (embedded, one process) serialises
+writers instead. Light module: no FastAPI, no Celery.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from service.records import decode_array, encode_ids, encode_logprobs, encode_routed_experts
+from service.tables import EPISODE_FINAL_STATUSES, Episode, Group, Turn, utcnow
+
+
+class ClaimLost(Exception):
+    """The claim's lease expired and its groups went back to the buffer (or to another trainer)."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: uuid.UUID
+    group_ids: list[uuid.UUID]
+    dropped: int
+    """Groups found too stale while queued: marked dropped, not handed out."""
+
+
+@dataclass
+class EpisodeData:
+    id: uuid.UUID
+    sample_index: int
+    status: str
+    reward: float | None
+    policy_version_min: int | None
+    turns: list[dict] = field(default_factory=list)
+    """Per turn: input_ids, output_ids, output_logprobs (numpy arrays), routed_experts or None."""
+
+
+@dataclass
+class GroupData:
+    id: uuid.UUID
+    run_id: uuid.UUID
+    task_id: uuid.UUID
+    episodes: list[EpisodeData]
+
+
+def _insert(conn: AsyncConnection):
+    return pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+
+
+class Buffer:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    async def append_turn(self, episode_id: uuid.UUID, turn) -> None:
+        """Store one finished turn; a repeat of the same (episode, idx) is ignored."""
+        row = {
+            "episode_id": episode_id, "idx": turn.idx, "segment": turn.segment,
+            "input_ids": encode_ids(turn.input_ids), "output_ids": encode_ids(turn.output_ids),
+            "output_logprobs": encode_logprobs(turn.output_logprobs),
+            "routed_experts": None if turn.routed_experts is None else encode_routed_experts(turn.routed_experts),
+            "n_input_tokens": len(turn.input_ids), "n_output_tokens": len(turn.output_ids),
+            "policy_version": turn.policy_version, "finish_reason": turn.finish_reason,
+            "text": turn.text, "tool_call": turn.tool_call, "observation": turn.observation,
+            "started_at": utcnow(), "generation_s": turn.generation_s, "tool_s": turn.tool_s,
+        }  # fmt: skip
+        async with self.engine.begin() as conn:
+            stmt = _insert(conn)(Turn).values(**row).on_conflict_do_nothing(index_elements=["episode_id", "idx"])
+            await conn.execute(stmt)
+
+    async def finish_episode(self, episode_id: uuid.UUID, **fields) -> bool:
+        """Make an episode final (status and results in `fields`) exactly once; when it was the
+        last of its group, the group becomes ready. Returns False if it was already final."""
+        if fields.get("status") not in EPISODE_FINAL_STATUSES:
+            raise ValueError(f"status must be one of {EPISODE_FINAL_STATUSES}, got {fields.get('status')!r}")
+        async with self.engine.begin() as conn:
+            updated = await conn.execute(
+                sa.update(Episode).where(Episode.id == episode_id, Episode.status.not_in(EPISODE_FINAL_STATUSES))
+                .values(finished_at=utcnow(), **fields).returning(Episode.group_id))
+            group_id = updated.scalar_one_or_none()
+            if group_id is None:
+                return False
+            await self._maybe_ready(conn, group_id)
+        return True
+
+    async def _maybe_ready(self, conn: AsyncConnection, group_id: uuid.UUID) -> None:
+        lock = sa.select(Group.id).where(Group.id == group_id)
+        if conn.dialect.name == "postgresql":
+            lock = lock.with_for_update()
+        await conn.execute(lock)  # serialise the last two finishers of a group
+        pending = await conn.scalar(sa.select(sa.func.count()).select_from(Episode).where(
+            Episode.group_id == group_id, Episode.status.not_in(EPISODE_FINAL_STATUSES)))
+        if pending:
+            return
+        oldest = await conn.scalar(sa.select(sa.func.min(Episode.policy_version_min))
+                                   .where(Episode.group_id == group_id))
+        await conn.execute(sa.update(Group).where(Group.id == group_id, Group.status == "pending")
+                           .values(status="ready", ready_at=utcnow(), min_policy_version=oldest))
+
+    async def claim(self, n_groups: int, *, trainer_step: int, max_staleness: int,
+                    lease_s: float = 600.0) -> Claim:  # fmt: skip
+        """Claim up to n ready groups (oldest first), dropping the ones too stale to train on."""
+        now = utcnow()
+        claim_id = uuid.uuid4()
+        claimable = sa.or_(Group.status == "ready",
+                           sa.and_(Group.status == "claimed", Group.claim_expires_at < now))
+        taken, dropped = [], []
+        async with self.engine.begin() as conn:
+            while len(taken) < n_groups:  # lock only rows this claim takes or drops
+                query = (sa.select(Group.id, Group.min_policy_version).where(claimable)
+                         .where(Group.id.not_in(taken + dropped)).order_by(Group.ready_at, Group.id)
+                         .limit(n_groups - len(taken)))
+                if conn.dialect.name == "postgresql":
+                    query = query.with_for_update(skip_locked=True)
+                rows = (await conn.execute(query)).all()
+                if not rows:
+                    break
+                for row in rows:
+                    version = row.min_policy_version
+                    stale = version is not None and version >= 0 and trainer_step - version > max_staleness
+                    (dropped if stale else taken).append(row.id)
+            if dropped:
+                await conn.execute(sa.update(Group).where(Group.id.in_(dropped)).values(
+                    status="dropped", dropped_reason=f"stale at step {trainer_step}", claim_id=None))
+            if taken:
+                await conn.execute(sa.update(Group).where(Group.id.in_(taken)).values(
+                    status="claimed", claim_id=claim_id, claim_expires_at=now + timedelta(seconds=lease_s)))
+        return Claim(claim_id, taken, len(dropped))
+
+    async def commit(self, claim: Claim, trainer_step: int) -> None:
+        """Mark the claim's groups consumed. Raises ClaimLost if the lease was lost meanwhile."""
+        if not claim.group_ids:
+            return
+        async with self.engine.begin() as conn:
+            done = await conn.execute(
+                sa.update(Group).where(Group.claim_id == claim.id, Group.status == "claimed",
+                                       Group.claim_expires_at >= utcnow())
+                .values(status="consumed", consumed_at=utcnow(), trainer_step=trainer_step))
+            if done.rowcount != len(claim.group_ids):
+                raise ClaimLost(f"claim {claim.id}: {len(claim.group_ids) - done.rowcount} group(s) "
+                                "went back to the buffer before the step committed")
+
+    async def release(self, claim: Claim) -> None:
+        """Give the claim's groups back (a step that failed before committing)."""
+        async with self.engine.begin() as conn:
+            await conn.execute(sa.update(Group).where(Group.claim_id == claim.id, Group.status == "claimed")
+                               .values(status="ready", claim_id=None, claim_expires_at=None))
+
+    async def load(self, claim: Claim) -> list[GroupData]:
+        """The claimed groups with their episodes and decoded turns."""
+        async with self.engine.connect() as conn:
+            groups = (await conn.execute(sa.select(Group).where(Group.id.in_(claim.group_ids)))).all()
+            episodes = (await conn.execute(sa.select(Episode).where(Episode.group_id.in_(claim.group_ids))
+                                           .order_by(Episode.sample_index))).all()
+            turns = (await conn.execute(sa.select(Turn).where(Turn.episode_id.in_([e.id for e in episodes]))
+                                        .order_by(Turn.episode_id, Turn.idx))).all()
+        by_episode: dict[uuid.UUID, list[dict]] = {}
+        for t in turns:
+            by_episode.setdefault(t.episode_id, []).append({
+                "idx": t.idx, "segment": t.segment, "input_ids": decode_array(t.input_ids),
+                "output_ids": decode_array(t.output_ids),
+                "output_logprobs": decode_array(t.output_logprobs) if t.output_logprobs else None,
+                "routed_experts": decode_array(t.routed_experts) if t.routed_experts else None,
+                "policy_version": t.policy_version,
+            })  # fmt: skip
+        out = {g.id: GroupData(g.id, g.run_id, g.task_id, []) for g in groups}
+        for e in episodes:
+            out[e.group_id].episodes.append(EpisodeData(e.id, e.sample_index, e.status, e.reward,
+                                                        e.policy_version_min, by_episode.get(e.id, [])))
+        return [out[g] for g in claim.group_ids if g in out]
+
+    async def stats(self) -> dict[str, int]:
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(Group.status, sa.func.count()).group_by(Group.status))).all()
+        counts = {"pending": 0, "ready": 0, "claimed": 0, "consumed": 0, "dropped": 0}
+        counts |= {status: n for status, n in rows}
+        return counts

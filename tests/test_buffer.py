@@ -1,0 +1,125 @@
+"""The buffer on PostgreSQL and SQLite: idempotent turns, groups ready when complete, claims
+with leases, exactly-once consumption, staleness drops; concurrent claimers on PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+
+from service import db
+from service.agent import TurnRecord
+from service.buffer import Buffer, ClaimLost
+from service.tables import Episode, Group, Run, Suite, Task, utcnow
+
+
+async def make_groups(engine, n_groups: int, size: int = 2, version: int = 0) -> list[tuple[uuid.UUID, list[uuid.UUID]]]:
+    suite_id, run_id = uuid.uuid4(), uuid.uuid4()
+    out = []
+    async with engine.begin() as conn:
+        await conn.execute(sa.insert(Suite).values(id=suite_id, name=f"s-{suite_id.hex[:6]}", task_count=n_groups, created_at=utcnow()))
+        await conn.execute(sa.insert(Run).values(id=run_id, suite_id=suite_id, status="running", config={}, config_hash="0" * 64, created_at=utcnow()))
+        for g in range(n_groups):
+            task_id, group_id = uuid.uuid4(), uuid.uuid4()
+            await conn.execute(sa.insert(Task).values(
+                id=task_id, suite_id=suite_id, position=g, instance_id=f"t-{g}", repo="o/r", base_commit="a" * 40,
+                problem_statement="p", test_patch="", fail_to_pass=["x"], pass_to_pass=[], log_parser="pytest"))
+            await conn.execute(sa.insert(Group).values(id=group_id, run_id=run_id, task_id=task_id, size=size, status="pending", created_at=utcnow()))
+            episodes = [uuid.uuid4() for _ in range(size)]
+            for i, e in enumerate(episodes):
+                await conn.execute(sa.insert(Episode).values(
+                    id=e, run_id=run_id, group_id=group_id, task_id=task_id, sample_index=i, status="running",
+                    policy_version_min=version, policy_version_max=version, created_at=utcnow()))
+            out.append((group_id, episodes))
+    return out
+
+
+def turn(idx: int, version: int = 0) -> TurnRecord:
+    return TurnRecord(idx=idx, segment=0, input_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.5, -1.5],
+                      policy_version=version, finish_reason="stop", text="t", tool_call={"name": "bash"},
+                      observation="o", generation_s=0.1, tool_s=0.2,
+                      routed_experts=np.arange(5 * 2 * 2).reshape(5, 2, 2) % 8)
+
+
+@pytest.fixture
+async def buffer(db_url):
+    engine = db.make_async_engine(db_url)
+    yield Buffer(engine)
+    await engine.dispose()
+
+
+async def finish_all(buffer, groups, reward=1.0):
+    for _, episodes in groups:
+        for e in episodes:
+            assert await buffer.finish_episode(e, status="submitted", reward=reward)
+
+
+async def test_turns_are_idempotent_and_groups_ready_only_when_complete(buffer):
+    [(group_id, episodes)] = await make_groups(buffer.engine, 1)
+    await buffer.append_turn(episodes[0], turn(0))
+    await buffer.append_turn(episodes[0], turn(0))  # a redelivered task writes the same turn again
+    await buffer.append_turn(episodes[0], turn(1))
+    assert await buffer.finish_episode(episodes[0], status="submitted", reward=1.0)
+    assert not await buffer.finish_episode(episodes[0], status="cancelled")  # final exactly once
+    assert (await buffer.stats())["pending"] == 1
+    assert await buffer.finish_episode(episodes[1], status="reward_error", reward=None)
+    assert (await buffer.stats())["ready"] == 1
+
+    claim = await buffer.claim(4, trainer_step=0, max_staleness=2)
+    [group] = await buffer.load(claim)
+    first = next(e for e in group.episodes if e.id == episodes[0])
+    assert [t["idx"] for t in first.turns] == [0, 1]
+    assert first.turns[0]["output_ids"].tolist() == [4, 5]
+    assert np.allclose(first.turns[0]["output_logprobs"], [-0.5, -1.5])
+    assert first.turns[0]["routed_experts"].shape == (5, 2, 2)
+    assert next(e for e in group.episodes if e.id == episodes[1]).reward is None
+
+
+async def test_claim_commit_exactly_once(buffer):
+    await finish_all(buffer, await make_groups(buffer.engine, 3))
+    claim = await buffer.claim(2, trainer_step=1, max_staleness=4)
+    assert len(claim.group_ids) == 2
+    again = await buffer.claim(5, trainer_step=1, max_staleness=4)
+    assert len(again.group_ids) == 1 and not set(again.group_ids) & set(claim.group_ids)
+    await buffer.commit(claim, trainer_step=1)
+    await buffer.release(again)
+    assert (await buffer.stats()) | {} == {"pending": 0, "ready": 1, "claimed": 0, "consumed": 2, "dropped": 0}
+
+
+async def test_expired_lease_returns_groups_and_the_late_commit_fails(buffer):
+    await finish_all(buffer, await make_groups(buffer.engine, 2))
+    crashed = await buffer.claim(2, trainer_step=0, max_staleness=4, lease_s=0.05)
+    await asyncio.sleep(0.1)
+    survivor = await buffer.claim(2, trainer_step=0, max_staleness=4)
+    assert sorted(survivor.group_ids) == sorted(crashed.group_ids)
+    with pytest.raises(ClaimLost):
+        await buffer.commit(crashed, trainer_step=0)
+    await buffer.commit(survivor, trainer_step=0)
+    assert (await buffer.stats())["consumed"] == 2
+
+
+async def test_stale_groups_are_dropped_and_counted(buffer):
+    await finish_all(buffer, await make_groups(buffer.engine, 2, version=0))
+    await finish_all(buffer, await make_groups(buffer.engine, 1, version=5))
+    claim = await buffer.claim(10, trainer_step=6, max_staleness=2)
+    assert (claim.dropped, len(claim.group_ids)) == (2, 1)
+    assert (await buffer.stats())["dropped"] == 2
+
+
+async def test_concurrent_claimers_never_share_a_group(migrated_pg_url):
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url, pool_size=10)
+    try:
+        buffer = Buffer(engine)
+        await finish_all(buffer, await make_groups(engine, 40, size=1))
+        claims = await asyncio.gather(*(buffer.claim(3, trainer_step=0, max_staleness=9) for _ in range(16)))
+        taken = [g for c in claims for g in c.group_ids]
+        assert len(taken) == len(set(taken)) == 40
+    finally:
+        await engine.dispose()
