@@ -1,9 +1,12 @@
-"""Celery tasks. Each is idempotent on its ids (acks_late redelivers after a lost worker)."""
+"""Celery tasks. Each carries ids only and is idempotent on them (acks_late redelivers after a
+lost worker; the episode then restarts cleanly)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import uuid
 
 from celery import shared_task
 
@@ -12,3 +15,22 @@ from celery import shared_task
 def ping() -> dict:
     """Answer with the worker's identity; used by health checks."""
     return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+@shared_task(name="swerve.episode", acks_late=True, reject_on_worker_lost=True)
+def episode(episode_id: str) -> str | None:
+    """Run one episode to its final status; trajectories go to the database, not the broker."""
+    from service.config import get_settings
+    from service.db import make_async_engine
+    from service.rollout import execute_episode
+
+    settings = get_settings()
+
+    async def go() -> str | None:
+        engine = make_async_engine(settings.resolved_database_url)
+        try:
+            return await execute_episode(engine, settings, uuid.UUID(episode_id))
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from service import db
-from service.api.routes import health, suites, tasks
+from service.api.routes import health, runs, suites, tasks
 from service.config import Settings, get_settings
 from service.suites import SuiteNameTaken, SuiteRejected, UploadTooLarge
 
@@ -24,6 +24,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.engine = db.make_async_engine(settings.resolved_database_url)
         app.state.sessions = db.session_factory(app.state.engine)
         app.state.background = set()
+        from service.celery_app import make_celery
+
+        app.state.celery = make_celery(settings)
+        await _resume_orchestrators(app)
         yield
         for job in list(app.state.background):
             job.cancel()
@@ -32,10 +36,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="swerve", version="0.1.0", lifespan=lifespan,
                   description="Rollout service for RL of coding agents.")
     app.state.settings = settings
-    for module in (health, suites, tasks):
+    for module in (health, suites, tasks, runs):
         app.include_router(module.router, prefix="/api/v1")
     _add_error_handlers(app)
     return app
+
+
+async def _resume_orchestrators(app: FastAPI) -> None:
+    """Runs left active by a previous process pick up where they stopped (state is in the database)."""
+    import sqlalchemy as sa
+
+    from service.api.routes.runs import start_orchestrator_for
+    from service.tables import Run
+
+    async with app.state.engine.connect() as conn:
+        active = (await conn.execute(sa.select(Run.id).where(Run.status.in_(("running", "cancelling"))))).scalars().all()
+    for run_id in active:
+        start_orchestrator_for(app, run_id)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

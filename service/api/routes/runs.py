@@ -1,0 +1,170 @@
+"""Runs and episodes: create (schedules on the Celery workers), list, progress, cancel,
+episodes with their turns."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import Annotated, Literal
+
+import sqlalchemy as sa
+from fastapi import APIRouter, HTTPException, Query, Request
+
+from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
+from service.records import decode_array
+from service.runs import RunConfig, RunError, create_run
+from service.schemas import Problem
+from service.tables import RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn
+
+router = APIRouter(tags=["runs"])
+Limit = Annotated[int, Query(ge=1, le=500)]
+Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
+
+
+def start_orchestrator(request: Request, run_id: uuid.UUID) -> None:
+    start_orchestrator_for(request.app, run_id)
+
+
+def start_orchestrator_for(app, run_id: uuid.UUID) -> None:
+    from service.orchestrator import orchestrate
+
+    celery = app.state.celery
+
+    def submit(episode_id: str) -> None:
+        celery.send_task("swerve.episode", args=[episode_id], queue="swerve")
+
+    job = asyncio.get_running_loop().create_task(orchestrate(app.state.engine, run_id, submit))
+    app.state.background.add(job)
+    job.add_done_callback(app.state.background.discard)
+
+
+@router.post("/runs", status_code=201, dependencies=TOKEN_REQUIRED,
+             responses={401: {"model": Problem}, 422: {"model": Problem}})
+async def create(request: Request, engine: EngineDep, cfg: RunConfig) -> dict:
+    try:
+        run_id = await create_run(engine, cfg)
+    except RunError as e:
+        raise HTTPException(status_code=422, detail=str(e)) from e
+    start_orchestrator(request, run_id)
+    return {"id": run_id, "status": "running"}
+
+
+async def progress(session, run: Run) -> dict:
+    counts = dict((await session.execute(sa.select(Episode.status, sa.func.count())
+                                         .where(Episode.run_id == run.id).group_by(Episode.status))).all())
+    agg = (await session.execute(sa.select(
+        sa.func.avg(Episode.reward), sa.func.count(Episode.reward),
+        sa.func.coalesce(sa.func.sum(Episode.input_tokens + Episode.output_tokens), 0),
+        sa.func.min(Episode.started_at), sa.func.max(Episode.finished_at),
+    ).where(Episode.run_id == run.id))).one()
+    by_task = (await session.execute(sa.select(Episode.task_id, sa.func.max(Episode.reward), sa.func.avg(Episode.reward))
+                                     .where(Episode.run_id == run.id, Episode.reward.is_not(None))
+                                     .group_by(Episode.task_id))).all()
+    elapsed = (agg[4] - agg[3]).total_seconds() if agg[3] and agg[4] else None
+    return {
+        "id": run.id, "name": run.name, "status": run.status, "suite_id": run.suite_id,
+        "created_at": run.created_at, "finished_at": run.finished_at, "episodes": counts,
+        "reward_mean": agg[0], "graded": agg[1], "tokens": agg[2],
+        "pass_at_1": sum(r[2] for r in by_task) / len(by_task) if by_task else None,
+        "pass_at_k": sum(1 for r in by_task if r[1] == 1.0) / len(by_task) if by_task else None,
+        "tokens_per_s": agg[2] / elapsed if elapsed else None,
+    }  # fmt: skip
+
+
+async def get_run(session, run_id: uuid.UUID) -> Run:
+    run = await session.get(Run, run_id)
+    if run is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return run
+
+
+@router.get("/runs")
+async def list_runs(session: SessionDep, limit: Limit = 50, offset: Offset = 0) -> dict:
+    total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
+    runs = (await session.scalars(sa.select(Run).order_by(Run.created_at.desc()).limit(limit).offset(offset))).all()
+    return {"items": [await progress(session, r) for r in runs], "total": total, "limit": limit, "offset": offset}
+
+
+@router.get("/runs/{run_id}", responses={404: {"model": Problem}})
+async def show_run(session: SessionDep, run_id: uuid.UUID) -> dict:
+    return await progress(session, await get_run(session, run_id))
+
+
+@router.post("/runs/{run_id}/cancel", dependencies=TOKEN_REQUIRED,
+             responses={401: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}})
+async def cancel_run(session: SessionDep, run_id: uuid.UUID) -> dict:
+    run = await get_run(session, run_id)
+    if run.status not in RUN_ACTIVE_STATUSES:
+        raise HTTPException(status_code=409, detail=f"run {run_id} is already {run.status}")
+    run.status = "cancelling"
+    await session.commit()
+    return {"id": run_id, "status": "cancelling"}
+
+
+@router.get("/runs/{run_id}/episodes", responses={404: {"model": Problem}})
+async def list_episodes(session: SessionDep, run_id: uuid.UUID, status: str | None = None,
+                        task: str | None = None, min_reward: float | None = None,
+                        policy_version: int | None = None, limit: Limit = 100, offset: Offset = 0) -> dict:
+    await get_run(session, run_id)
+    where = [Episode.run_id == run_id]
+    if status is not None:
+        where.append(Episode.status == status)
+    if task is not None:
+        where.append(Task.instance_id == task)
+    if min_reward is not None:
+        where.append(Episode.reward >= min_reward)
+    if policy_version is not None:
+        where += [Episode.policy_version_min <= policy_version, Episode.policy_version_max >= policy_version]
+    base = sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id).where(*where)
+    total = await session.scalar(sa.select(sa.func.count()).select_from(base.subquery()))
+    rows = (await session.execute(base.order_by(Episode.created_at, Episode.sample_index).limit(limit).offset(offset))).all()
+    return {"items": [_episode(e, instance_id) for e, instance_id in rows], "total": total, "limit": limit, "offset": offset}
+
+
+def _episode(e: Episode, instance_id: str) -> dict:
+    return {
+        "id": e.id, "run_id": e.run_id, "group_id": e.group_id, "task_id": e.task_id, "instance_id": instance_id,
+        "sample_index": e.sample_index, "status": e.status, "attempt": e.attempt, "trainable": e.trainable,
+        "reward": e.reward, "policy_version_min": e.policy_version_min, "policy_version_max": e.policy_version_max,
+        "n_turns": e.n_turns, "input_tokens": e.input_tokens, "output_tokens": e.output_tokens,
+        "error_type": e.error_type, "error_message": e.error_message, "started_at": e.started_at,
+        "finished_at": e.finished_at,
+    }  # fmt: skip
+
+
+def _array(blob: bytes | None, encoding: str):
+    if blob is None:
+        return None
+    if encoding == "base64":
+        return base64.b64encode(blob).decode()
+    return decode_array(blob).tolist()
+
+
+@router.get("/episodes/{episode_id}", responses={404: {"model": Problem}})
+async def show_episode(session: SessionDep, episode_id: uuid.UUID,
+                       arrays: Literal["none", "base64", "json"] = "none") -> dict:
+    row = (await session.execute(sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id)
+                                 .where(Episode.id == episode_id))).first()
+    if row is None:
+        raise HTTPException(status_code=404, detail=f"episode {episode_id} not found")
+    episode, instance_id = row
+    turns = (await session.scalars(sa.select(Turn).where(Turn.episode_id == episode_id).order_by(Turn.idx))).all()
+    out = _episode(episode, instance_id) | {"report": episode.report, "diff": episode.diff,
+                                           "segment_starts": episode.segment_starts, "turns": []}
+    for t in turns:
+        item = {"idx": t.idx, "segment": t.segment, "policy_version": t.policy_version, "finish_reason": t.finish_reason,
+                "text": t.text, "tool_call": t.tool_call, "observation": t.observation,
+                "n_input_tokens": t.n_input_tokens, "n_output_tokens": t.n_output_tokens,
+                "generation_s": t.generation_s, "tool_s": t.tool_s}
+        if arrays != "none":
+            item |= {k: _array(getattr(t, k), arrays) for k in ("input_ids", "output_ids", "output_logprobs", "routed_experts")}
+        out["turns"].append(item)
+    return out
+
+
+@router.get("/buffer")
+async def buffer_stats(request: Request) -> dict:
+    from service.buffer import Buffer
+
+    return await Buffer(request.app.state.engine).stats()

@@ -1,0 +1,89 @@
+"""End to end on real services: the API creates a run of the example suite with the oracle
+policy, its orchestrator schedules episodes through Redis onto a separate Celery worker
+process, which runs them in bubblewrap sandboxes and streams turns into PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from service import db
+from service.buffer import Buffer
+from service.tiny_model import init_tiny
+from tests.conftest import auth, client_for, make_settings, missing_service
+from tests.sandbox_fixtures import require_bwrap
+
+pytestmark = pytest.mark.slow
+SUITE = Path(__file__).resolve().parent.parent / "envs" / "example_suite" / "suite.jsonl"
+BROKER = os.environ.get("SWERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0] + "/14"
+
+
+@pytest.fixture
+def worker(migrated_pg_url, tmp_path):
+    from tests.conftest import _truncate_pg
+
+    require_bwrap()
+    try:
+        redis.Redis.from_url(BROKER).flushdb()
+    except redis.ConnectionError as e:
+        missing_service(f"Redis at {BROKER} ({e})")
+    _truncate_pg(migrated_pg_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+        "SWERVE_DATABASE_URL": migrated_pg_url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency", "3"], env=env,
+                            stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT)
+    yield migrated_pg_url, tmp_path
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+async def test_oracle_run_through_api_redis_worker_and_postgres(worker, tmp_path):
+    db_url, data_dir = worker
+    tokenizer = init_tiny(tmp_path / "tiny")
+    body = "\n".join(SUITE.read_text().splitlines()[:3]) + "\n"
+    settings = make_settings(db_url, broker_url=BROKER, data_dir=data_dir)
+    async with client_for(settings) as client:
+        suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
+                                   headers={"Content-Type": "application/x-ndjson", **auth()})).json()
+        bad = await client.post("/api/v1/runs", headers=auth(), json={"suite_id": suite["id"], "policy": {"type": "gpt"}})
+        assert bad.status_code == 422 and "policy" in str(bad.json())
+        run = await client.post("/api/v1/runs", headers=auth(), json={
+            "suite_id": suite["id"], "policy": {"type": "oracle", "tokenizer": str(tokenizer)},
+            "samples_per_task": 2, "concurrency": 4})
+        assert run.status_code == 201, run.text
+        run_id = run.json()["id"]
+        for _ in range(600):
+            state = (await client.get(f"/api/v1/runs/{run_id}")).json()
+            if state["status"] != "running":
+                break
+            await asyncio.sleep(0.5)
+        assert state["status"] == "finished", (state, (data_dir / "worker.log").read_text()[-3000:])
+        assert state["episodes"] == {"submitted": 6}
+        assert (state["reward_mean"], state["pass_at_1"], state["pass_at_k"]) == (1.0, 1.0, 1.0)
+        episodes = (await client.get(f"/api/v1/runs/{run_id}/episodes")).json()
+        assert episodes["total"] == 6 and all(e["trainable"] is False for e in episodes["items"])
+        detail = (await client.get(f"/api/v1/episodes/{episodes['items'][0]['id']}", params={"arrays": "json"})).json()
+        assert [t["tool_call"]["name"] for t in detail["turns"]] == ["str_replace_editor", "bash", "submit"]
+        assert detail["report"]["resolution"] == "FULL" and detail["diff"].startswith("diff --git")
+        assert all(len(t["output_ids"]) == len(t["output_logprobs"]) == t["n_output_tokens"] for t in detail["turns"])
+        assert (await client.get("/api/v1/buffer")).json()["ready"] == 3
+
+    engine = db.make_async_engine(db_url)
+    try:
+        buffer = Buffer(engine)
+        claim = await buffer.claim(10, trainer_step=0, max_staleness=1)
+        groups = await buffer.load(claim)
+        assert len(groups) == 3 and all(len(g.episodes) == 2 for g in groups)
+        turns = groups[0].episodes[0].turns
+        sequence = np.concatenate([np.concatenate([t["input_ids"], t["output_ids"]]) for t in turns])
+        assert len(sequence) == sum(len(t["input_ids"]) + len(t["output_ids"]) for t in turns) > 100
+        await buffer.commit(claim, trainer_step=0)
+    finally:
+        await engine.dispose()
