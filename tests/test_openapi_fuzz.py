@@ -9,6 +9,7 @@ import json
 import uuid
 
 import pytest
+import sqlalchemy as sa
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
@@ -23,10 +24,19 @@ from service import db
 from service.api.main import create_app
 from tests.conftest import PG_ADMIN_URL, TOKEN, drop_pg_database, make_settings
 
-# The schema is read when the module is collected; the database behind it is made by the
-# fixture below before the first request reaches it.
+# The schema is read when the module is collected, and the app's start-up reads the database,
+# so the database is made here; the fixture below drops it (or reports PostgreSQL missing).
 DB_URL = make_url(db.sync_url(PG_ADMIN_URL)).set(
     database=f"swerve_test_fuzz_{uuid.uuid4().hex[:8]}").render_as_string(False)
+try:
+    _admin = db.make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with _admin.connect() as _conn:
+        _conn.execute(sa.text(f'CREATE DATABASE "{make_url(DB_URL).database}"'))
+    _admin.dispose()
+    db.upgrade(DB_URL)
+    DB_ERROR = None
+except sa.exc.OperationalError as e:
+    DB_ERROR = e
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(make_settings(DB_URL)))
 
 
@@ -41,13 +51,8 @@ def _ndjson(ctx, value):
 
 @pytest.fixture(scope="module", autouse=True)
 def fuzz_database(pg_admin_url):
-    import sqlalchemy as sa
-
-    engine = db.make_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{make_url(DB_URL).database}"'))
-    engine.dispose()
-    db.upgrade(DB_URL)
+    if DB_ERROR is not None:
+        pytest.fail(f"could not create the fuzzing database: {DB_ERROR}")
     yield
     drop_pg_database(pg_admin_url, DB_URL)
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
 from service.records import decode_array
 from service.runs import RunConfig, RunError, create_run
-from service.schemas import Problem
+from service.schemas import HTTPValidationError, Problem
 from service.tables import RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn
 
 router = APIRouter(tags=["runs"])
@@ -40,7 +40,8 @@ def start_orchestrator_for(app, run_id: uuid.UUID) -> None:
 
 
 @router.post("/runs", status_code=201, dependencies=TOKEN_REQUIRED,
-             responses={401: {"model": Problem}, 422: {"model": Problem}})
+             responses={400: {"model": Problem}, 401: {"model": Problem},
+                        422: {"model": Problem | HTTPValidationError}})
 async def create(request: Request, engine: EngineDep, cfg: RunConfig) -> dict:
     try:
         run_id = await create_run(engine, cfg)
