@@ -6,6 +6,7 @@ trainable: their "samples" are the tokenizer's own encoding with logprob 0.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from envs.task import Task
@@ -23,13 +24,15 @@ class ScriptedPolicy:
 
     trainable = False
 
-    def __init__(self, tokenizer, actions: list[str], name: str = "replay"):
-        self.tok, self.actions, self.name = tokenizer, list(actions), name
+    def __init__(self, tokenizer, actions: list[str], name: str = "replay", latency_s: float = 0.0):
+        self.tok, self.actions, self.name, self.latency_s = tokenizer, list(actions), name, latency_s
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.calls = 0
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
                        session: str | None = None, keep_experts_from: int = 0) -> Generation:  # fmt: skip
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
         text = self.actions[self.calls] if self.calls < len(self.actions) else tool_call_text("submit", {})
         self.calls += 1
         ids = self.tok.encode(text, add_special_tokens=False) + [self.eos_id]
@@ -52,6 +55,7 @@ def oracle(tokenizer, task: Task) -> ScriptedPolicy:
     return ScriptedPolicy(tokenizer, oracle_actions(task), name="oracle")
 
 
-def replay(tokenizer, calls: list[dict]) -> ScriptedPolicy:
+def replay(tokenizer, calls: list[dict], latency_s: float = 0.0) -> ScriptedPolicy:
     """calls: [{"name": ..., "arguments": {...}}, ...] as recorded on turns."""
-    return ScriptedPolicy(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls])
+    return ScriptedPolicy(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls],
+                          latency_s=latency_s)

@@ -6,6 +6,7 @@ or finds it running from a lost worker and restarts it cleanly (its turns cleare
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from functools import lru_cache
@@ -20,7 +21,7 @@ from service.agent import EpisodeResult, TokenRenderer, run_episode
 from service.buffer import Buffer
 from service.config import Settings
 from service.inference import FleetConfig, ProviderError, VLLMClient
-from service.policies import oracle
+from service.policies import oracle, replay
 from service.runs import RunConfig
 from service.suites import task_from_row
 from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn, utcnow
@@ -47,7 +48,7 @@ def _tokenizer(path: str):
 async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
     """Claim the episode for this worker; None if there is nothing to do."""
     async with engine.begin() as conn:
-        row = (await conn.execute(sa.select(Episode.status, Episode.attempt, Episode.task_id,
+        row = (await conn.execute(sa.select(Episode.status, Episode.attempt, Episode.task_id, Episode.run_id,
                                             Run.status.label("run_status"), Run.config)
                                   .join(Run, Run.id == Episode.run_id).where(Episode.id == episode_id))).first()
         if row is None or row.status in EPISODE_FINAL_STATUSES:
@@ -67,7 +68,7 @@ async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: u
     row, task_row = started
     buffer = Buffer(engine)
     cfg = RunConfig.model_validate(row.config)
-    if row.run_status not in RUN_ACTIVE_STATUSES:
+    if row.run_status not in RUN_ACTIVE_STATUSES or row.run_status == "cancelling":
         await buffer.finish_episode(episode_id, status="cancelled")
         return "cancelled"
     task = task_from_row(task_row)
@@ -75,7 +76,7 @@ async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: u
                            bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
     result, fields = EpisodeResult(status="sandbox_error"), {}
     try:
-        result = await _run(cfg, task, env_cfg, buffer, episode_id)
+        result = await _cancellable(engine, row.run_id, _run(cfg, task, env_cfg, buffer, episode_id))
         if result.status in GRADED and result.diff is not None:
             report = await grade(task, result.diff, env_cfg)
             fields = {"reward": report.reward(cfg.partial_credit), "report": report.to_json(), "graded_at": utcnow()}
@@ -96,6 +97,25 @@ async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: u
     return result.status
 
 
+async def _cancellable(engine: AsyncEngine, run_id: uuid.UUID, work, poll_s: float = 1.0) -> EpisodeResult:
+    """Run `work`, but stop it (closing its sandbox) within poll_s of its run being cancelled."""
+    job = asyncio.ensure_future(work)
+    while not job.done():
+        await asyncio.wait([job], timeout=poll_s)
+        if job.done():
+            break
+        async with engine.connect() as conn:
+            status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+        if status not in RUN_ACTIVE_STATUSES or status == "cancelling":
+            job.cancel()
+            try:
+                await job
+            except asyncio.CancelledError:
+                pass
+            return EpisodeResult(status="cancelled")
+    return job.result()
+
+
 async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID) -> EpisodeResult:
     tokenizer = _tokenizer(str(cfg.policy.tokenizer))
     renderer = TokenRenderer(tokenizer, SWEEnv.tools)
@@ -104,6 +124,9 @@ async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, epis
         env = SWEEnv(task, sandbox, env_cfg)
         if cfg.policy.type == "oracle":
             return await run_episode(oracle(tokenizer, task), env, renderer, cfg.agent, sink)
+        if cfg.policy.type == "replay":
+            policy = replay(tokenizer, cfg.policy.calls, cfg.policy.latency_s)
+            return await run_episode(policy, env, renderer, cfg.agent, sink)
         fleet = await VLLMClient(FleetConfig(endpoints=cfg.policy.endpoints, model=cfg.policy.model)).start()
         try:
             return await run_episode(fleet, env, renderer, cfg.agent, sink, session=str(episode_id))

@@ -38,7 +38,19 @@ class VLLMPolicyConfig(BaseModel):
     """Model folder with the tokenizer and chat template the servers use."""
 
 
-PolicyConfig = Annotated[OraclePolicyConfig | VLLMPolicyConfig, Field(discriminator="type")]
+class ReplayPolicyConfig(BaseModel):
+    """Scripted: replays the same tool calls on every task (pipeline checks, load tests)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["replay"] = "replay"
+    tokenizer: Path
+    calls: list[dict] = Field(min_length=1)
+    """[{"name": "bash", "arguments": {"command": "..."}}, ...]; submit is added at the end."""
+    latency_s: float = Field(0.0, ge=0)
+    """Simulated model latency per call (s)."""
+
+
+PolicyConfig = Annotated[OraclePolicyConfig | VLLMPolicyConfig | ReplayPolicyConfig, Field(discriminator="type")]
 
 
 class RunConfig(BaseModel):

@@ -87,3 +87,35 @@ async def test_oracle_run_through_api_redis_worker_and_postgres(worker, tmp_path
         await buffer.commit(claim, trainer_step=0)
     finally:
         await engine.dispose()
+
+
+async def test_cancel_stops_running_episodes_and_their_sandboxes(worker, tmp_path):
+    from tests.test_sandboxes import host_processes_with
+
+    db_url, data_dir = worker
+    tokenizer = init_tiny(tmp_path / "tiny")
+    body = "\n".join(SUITE.read_text().splitlines()[:2]) + "\n"
+    calls = [{"name": "bash", "arguments": {"command": "sleep 31.$((2+3))"}}] * 3
+    async with client_for(make_settings(db_url, broker_url=BROKER, data_dir=data_dir)) as client:
+        suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
+                                   headers={"Content-Type": "application/x-ndjson", **auth()})).json()
+        run_id = (await client.post("/api/v1/runs", headers=auth(), json={
+            "suite_id": suite["id"], "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
+            "samples_per_task": 2, "concurrency": 3})).json()["id"]
+        for _ in range(240):  # wait until episodes are inside their sleep
+            if len(host_processes_with("sleep 31.5")) >= 2:
+                break
+            await asyncio.sleep(0.25)
+        assert host_processes_with("sleep 31.5")
+        cancelled_at = asyncio.get_running_loop().time()
+        assert (await client.post(f"/api/v1/runs/{run_id}/cancel", headers=auth())).status_code == 200
+        for _ in range(120):
+            state = (await client.get(f"/api/v1/runs/{run_id}")).json()
+            if state["status"] != "cancelling":
+                break
+            await asyncio.sleep(0.25)
+        assert state["status"] == "cancelled"
+        assert asyncio.get_running_loop().time() - cancelled_at < 15
+        assert state["episodes"] == {"cancelled": 4}
+        assert host_processes_with("sleep 31.5") == []
+        assert (await client.post(f"/api/v1/runs/{run_id}/cancel", headers=auth())).status_code == 409
