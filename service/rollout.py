@@ -56,7 +56,8 @@ async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
         if row.status == "running":  # a lost worker's attempt: start over cleanly
             await conn.execute(sa.delete(Turn).where(Turn.episode_id == episode_id))
         await conn.execute(sa.update(Episode).where(Episode.id == episode_id).values(
-            status="running", started_at=utcnow(), attempt=row.attempt + (row.status == "running")))
+            status="running", started_at=utcnow(), heartbeat_at=utcnow(),
+            attempt=row.attempt + (row.status == "running")))
         task = (await conn.execute(sa.select(Task).where(Task.id == row.task_id))).one()
     return row, task
 
@@ -76,7 +77,7 @@ async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: u
                            bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
     result, fields = EpisodeResult(status="sandbox_error"), {}
     try:
-        result = await _cancellable(engine, row.run_id, _run(cfg, task, env_cfg, buffer, episode_id))
+        result = await _supervised(engine, row.run_id, episode_id, _run(cfg, task, env_cfg, buffer, episode_id))
         if result.status in GRADED and result.diff is not None:
             report = await grade(task, result.diff, env_cfg)
             fields = {"reward": report.reward(cfg.partial_credit), "report": report.to_json(), "graded_at": utcnow()}
@@ -97,14 +98,17 @@ async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: u
     return result.status
 
 
-async def _cancellable(engine: AsyncEngine, run_id: uuid.UUID, work, poll_s: float = 1.0) -> EpisodeResult:
-    """Run `work`, but stop it (closing its sandbox) within poll_s of its run being cancelled."""
+async def _supervised(engine: AsyncEngine, run_id: uuid.UUID, episode_id: uuid.UUID, work,
+                      poll_s: float = 1.0) -> EpisodeResult:  # fmt: skip
+    """Run `work` with a heartbeat on the episode row every poll_s, and stop it (closing its
+    sandbox) within poll_s of its run being cancelled."""
     job = asyncio.ensure_future(work)
     while not job.done():
         await asyncio.wait([job], timeout=poll_s)
         if job.done():
             break
-        async with engine.connect() as conn:
+        async with engine.begin() as conn:
+            await conn.execute(sa.update(Episode).where(Episode.id == episode_id).values(heartbeat_at=utcnow()))
             status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
         if status not in RUN_ACTIVE_STATUSES or status == "cancelling":
             job.cancel()

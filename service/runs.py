@@ -68,6 +68,10 @@ class RunConfig(BaseModel):
     """Episodes in flight at once."""
     max_off_policy_steps: int = Field(4, ge=0)
     """Do not start episodes more than this many trainer steps behind the newest policy."""
+    worker_timeout_s: float = Field(60.0, gt=0)
+    """A running episode whose heartbeat is this old lost its worker: it is restarted."""
+    queue_timeout_s: float = Field(1800.0, gt=0)
+    """A queued episode no worker started after this long is sent again (a lost message)."""
     max_consecutive_failures: int = Field(10, ge=1)
     """Stop the run after this many sandbox/provider errors in a row."""
     instance_ids: list[str] | None = None

@@ -201,7 +201,10 @@ class Episode(Base):
     error_type: Mapped[str | None] = mapped_column(sa.String(200))
     error_message: Mapped[str | None] = mapped_column(sa.Text)
     created_at: Mapped[datetime] = _created_at()
+    queued_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    """Refreshed every second by the worker running the episode; a stale one means it died."""
     finished_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     graded_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
 

@@ -119,3 +119,68 @@ async def test_cancel_stops_running_episodes_and_their_sandboxes(worker, tmp_pat
         assert state["episodes"] == {"cancelled": 4}
         assert host_processes_with("sleep 31.5") == []
         assert (await client.post(f"/api/v1/runs/{run_id}/cancel", headers=auth())).status_code == 409
+
+
+async def test_sigkilled_worker_loses_nothing(migrated_pg_url, tmp_path):
+    """Kill the worker mid-episode: the orchestrator sees the stale heartbeats, a new worker
+    restarts those episodes cleanly; every episode ends final once, turns are not duplicated,
+    and no sandbox of the dead worker survives the new worker's reaper."""
+    import signal
+
+    from tests.conftest import _truncate_pg, count_rows
+    from tests.test_sandboxes import host_processes_with
+
+    require_bwrap()
+    try:
+        redis.Redis.from_url(BROKER).flushdb()
+    except redis.ConnectionError as e:
+        missing_service(f"Redis at {BROKER} ({e})")
+    _truncate_pg(migrated_pg_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+        "SWERVE_DATABASE_URL": migrated_pg_url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(tmp_path),
+        "SWERVE_SANDBOX_DIR": str(tmp_path / "sandboxes")}
+
+    def start_worker(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency", "2"], env=env,
+                                stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    tokenizer = init_tiny(tmp_path / "tiny")
+    calls = [{"name": "bash", "arguments": {"command": "sleep 4.$((2+3)); echo step"}}] * 2
+    body = "\n".join(SUITE.read_text().splitlines()[:2]) + "\n"
+    first = start_worker("worker1")
+    second = None
+    try:
+        async with client_for(make_settings(migrated_pg_url, broker_url=BROKER, data_dir=tmp_path)) as client:
+            suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
+                                       headers={"Content-Type": "application/x-ndjson", **auth()})).json()
+            run_id = (await client.post("/api/v1/runs", headers=auth(), json={
+                "suite_id": suite["id"], "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
+                "samples_per_task": 1, "concurrency": 2, "worker_timeout_s": 4})).json()["id"]
+            for _ in range(240):
+                if len(host_processes_with("sleep 4.5")) >= 2:
+                    break
+                await asyncio.sleep(0.25)
+            os.killpg(first.pid, signal.SIGKILL)  # the worker and its pool children, mid-episode
+            first.wait()
+            second = start_worker("worker2")
+            for _ in range(400):
+                state = (await client.get(f"/api/v1/runs/{run_id}")).json()
+                if state["status"] != "running":
+                    break
+                await asyncio.sleep(0.25)
+            assert state["status"] == "finished", state
+            assert state["episodes"] == {"submitted": 2}
+            episodes = (await client.get(f"/api/v1/runs/{run_id}/episodes")).json()["items"]
+            assert all(e["attempt"] >= 1 and e["n_turns"] == 3 for e in episodes), episodes
+            for e in episodes:
+                turns = (await client.get(f"/api/v1/episodes/{e['id']}")).json()["turns"]
+                assert [t["idx"] for t in turns] == [0, 1, 2]
+        assert count_rows(migrated_pg_url)["turns"] == 6
+        assert host_processes_with("sleep 4.5") == []
+        assert not [p for p in (tmp_path / "sandboxes").iterdir() if p.name.startswith("swb-")]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
