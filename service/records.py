@@ -69,9 +69,10 @@ def encode_logprobs(logprobs) -> bytes:
     return encode_array(logprobs, "f")
 
 
-def encode_routed_experts(experts: np.ndarray) -> bytes:
-    """[tokens, layers, top_k] expert ids as uint8 (up to 256 experts) or uint16."""
+def encode_routed_experts(experts: np.ndarray, codec: Codec = "raw") -> bytes:
+    """[tokens, layers, top_k] expert ids as uint8 (up to 256 experts) or uint16. Raw by
+    default: expert ids barely compress, and zlib would cost more than the bytes it saves."""
     experts = np.asarray(experts)
     if experts.ndim != 3:
         raise ValueError(f"routed experts must be [tokens, layers, top_k], got shape {experts.shape}")
-    return encode_array(experts, "B" if experts.size == 0 or experts.max() < 256 else "H")
+    return encode_array(experts, "B" if experts.size == 0 or experts.max() < 256 else "H", codec=codec)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,11 @@ async def test_oracle_run_through_api_redis_worker_and_postgres(worker, tmp_path
         assert detail["report"]["resolution"] == "FULL" and detail["diff"].startswith("diff --git")
         assert all(len(t["output_ids"]) == len(t["output_logprobs"]) == t["n_output_tokens"] for t in detail["turns"])
         assert (await client.get("/api/v1/buffer")).json()["ready"] == 3
+        async with client.stream("GET", "/api/v1/events", params={"run": run_id, "poll_s": 0.1}) as sse:
+            assert sse.headers["content-type"].startswith("text/event-stream")
+            kinds = [line.split(": ", 1)[1] async for line in sse.aiter_lines() if line.startswith("event: ")]
+        assert kinds.count("episode") == 6 and kinds[-2:] == ["progress", "end"]
+        assert (await client.get("/api/v1/events", params={"run": str(uuid.uuid4())})).status_code == 404
 
     engine = db.make_async_engine(db_url)
     try:

@@ -164,6 +164,43 @@ async def show_episode(session: SessionDep, episode_id: uuid.UUID,
     return out
 
 
+@router.get("/events", responses={404: {"model": Problem}})
+async def events(request: Request, run: uuid.UUID, poll_s: Annotated[float, Query(ge=0.1, le=30)] = 1.0):
+    """Server-sent events for a run: `progress` (the run's counts), `episode` (each episode
+    that started or ended since the last event) and `end` when the run is over."""
+    import json
+
+    from fastapi.responses import StreamingResponse
+
+    sessions = request.app.state.sessions
+    async with sessions() as session:
+        await get_run(session, run)
+
+    def event(kind: str, data: dict) -> str:
+        return f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n"
+
+    async def stream():
+        seen: dict[uuid.UUID, tuple] = {}
+        while not await request.is_disconnected():
+            async with sessions() as session:
+                state = await progress(session, await get_run(session, run))
+                rows = (await session.execute(sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id)
+                                              .where(Episode.run_id == run))).all()
+            for episode, instance_id in rows:
+                key = (episode.status, episode.n_turns, episode.reward)
+                if seen.get(episode.id) != key:
+                    seen[episode.id] = key
+                    yield event("episode", _episode(episode, instance_id))
+            yield event("progress", state)
+            if state["status"] not in RUN_ACTIVE_STATUSES:
+                yield event("end", {"status": state["status"]})
+                return
+            await asyncio.sleep(poll_s)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 @router.get("/buffer")
 async def buffer_stats(request: Request) -> dict:
     from service.buffer import Buffer

@@ -1,0 +1,190 @@
+"""Buffer throughput for long MoE episodes, side by side in one run: our buffer (a transaction
+per turn, as workers write; then claim + load of whole groups), Parquet files (how file-based
+RL transports move rollouts) and raw binary COPY into PostgreSQL (the ceiling).
+
+Episodes: ~131k tokens over 300 turns, int32 ids, float32 logprobs for sampled tokens, routed
+experts of a GLM-5-sized MoE (78 layers, top-8, uint8) for every token.
+
+    .venv/bin/python bench/buffer.py [--episodes 4] [--turns 300] [--tokens-per-turn 437]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from service import db  # noqa: E402
+from service.agent import TurnRecord  # noqa: E402
+from service.buffer import Buffer  # noqa: E402
+from service.tables import Episode, Group, Run, Suite, Task, utcnow  # noqa: E402
+
+ADMIN = os.environ.get("SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+LAYERS, TOP_K = 78, 8
+
+
+def make_turns(turns: int, per_turn: int, seed: int) -> list[TurnRecord]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(turns):
+        n_in, n_out = per_turn * 3 // 4, per_turn - per_turn * 3 // 4
+        out.append(TurnRecord(
+            idx=i, segment=0, input_ids=rng.integers(0, 150_000, n_in, dtype=np.int32),
+            output_ids=rng.integers(0, 150_000, n_out, dtype=np.int32),
+            output_logprobs=rng.normal(-1, 0.5, n_out).astype(np.float32), policy_version=0,
+            finish_reason="stop", text="", tool_call=None, observation=None, generation_s=0.0, tool_s=0.0,
+            routed_experts=rng.integers(0, 256, (per_turn, LAYERS, TOP_K), dtype=np.uint8)))
+    return out
+
+
+async def setup(engine, episodes: int) -> list[uuid.UUID]:
+    suite_id, run_id = uuid.uuid4(), uuid.uuid4()
+    ids = []
+    async with engine.begin() as conn:
+        await conn.execute(sa.insert(Suite).values(id=suite_id, name="bench", task_count=episodes, created_at=utcnow()))
+        await conn.execute(sa.insert(Run).values(id=run_id, suite_id=suite_id, status="running", config={},
+                                                 config_hash="0" * 64, created_at=utcnow()))
+        for g in range(episodes):
+            task_id, group_id, episode_id = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+            await conn.execute(sa.insert(Task).values(
+                id=task_id, suite_id=suite_id, position=g, instance_id=f"t{g}", repo="o/r", base_commit="a" * 40,
+                problem_statement="p", test_patch="", fail_to_pass=["x"], pass_to_pass=[], log_parser="pytest"))
+            await conn.execute(sa.insert(Group).values(id=group_id, run_id=run_id, task_id=task_id, size=1,
+                                                       status="pending", created_at=utcnow()))
+            await conn.execute(sa.insert(Episode).values(
+                id=episode_id, run_id=run_id, group_id=group_id, task_id=task_id, sample_index=0,
+                status="running", policy_version_min=0, created_at=utcnow()))
+            ids.append(episode_id)
+    return ids
+
+
+async def ours(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float]:
+    engine = db.make_async_engine(url, pool_size=8)
+    try:
+        ids = await setup(engine, len(episodes))
+        buffer = Buffer(engine)
+        start = time.perf_counter()
+
+        async def write(episode_id, turns):
+            for turn in turns:
+                await buffer.append_turn(episode_id, turn)
+            await buffer.finish_episode(episode_id, status="submitted", reward=1.0)
+
+        await asyncio.gather(*(write(e, t) for e, t in zip(ids, episodes)))
+        written = time.perf_counter() - start
+        start = time.perf_counter()
+        claim = await buffer.claim(len(ids), trainer_step=0, max_staleness=1)
+        groups = await buffer.load(claim)
+        read = time.perf_counter() - start
+        assert sum(len(e.turns) for g in groups for e in g.episodes) == sum(len(t) for t in episodes)
+        return written, read
+    finally:
+        await engine.dispose()
+
+
+def parquet(tmp: Path, episodes: list[list[TurnRecord]]) -> tuple[float, float]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    start = time.perf_counter()
+    for i, turns in enumerate(episodes):
+        table = pa.table({
+            "input_ids": [t.input_ids.tobytes() for t in turns], "output_ids": [t.output_ids.tobytes() for t in turns],
+            "logprobs": [t.output_logprobs.tobytes() for t in turns],
+            "routed_experts": [t.routed_experts.tobytes() for t in turns]})
+        pq.write_table(table, tmp / f"episode-{i}.parquet", compression="none")
+    written = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(len(episodes)):
+        table = pq.read_table(tmp / f"episode-{i}.parquet")
+        experts = [np.frombuffer(b, dtype=np.uint8) for b in table.column("routed_experts").to_pylist()]
+        assert len(experts) == len(episodes[i])
+    return written, time.perf_counter() - start
+
+
+def copy_ceiling(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float]:
+    import psycopg
+
+    with psycopg.connect(db.sync_url(url).replace("postgresql+psycopg", "postgresql")) as conn:
+        conn.execute("CREATE TEMP TABLE raw_turns (input_ids bytea, output_ids bytea, logprobs bytea, experts bytea)")
+        start = time.perf_counter()
+        with conn.cursor().copy("COPY raw_turns FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(["bytea"] * 4)
+            for turns in episodes:
+                for t in turns:
+                    copy.write_row((t.input_ids.tobytes(), t.output_ids.tobytes(), t.output_logprobs.tobytes(),
+                                    t.routed_experts.tobytes()))
+        conn.commit()
+        written = time.perf_counter() - start
+        start = time.perf_counter()
+        rows = 0
+        with conn.cursor().copy("COPY raw_turns TO STDOUT (FORMAT BINARY)") as copy:
+            copy.set_types(["bytea"] * 4)
+            for _ in copy.rows():
+                rows += 1
+        assert rows == sum(len(t) for t in episodes)
+        return written, time.perf_counter() - start
+
+
+def make_database() -> str:
+    from sqlalchemy.engine import make_url
+
+    name = f"swerve_bench_{uuid.uuid4().hex[:8]}"
+    engine = db.make_engine(ADMIN, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    url = make_url(db.sync_url(ADMIN)).set(database=name).render_as_string(False)
+    db.upgrade(url)
+    return url
+
+
+def drop_database(url: str) -> None:
+    from sqlalchemy.engine import make_url
+
+    engine = db.make_engine(ADMIN, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
+    engine.dispose()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=300)
+    parser.add_argument("--tokens-per-turn", type=int, default=437)
+    args = parser.parse_args()
+    episodes = [make_turns(args.turns, args.tokens_per_turn, seed) for seed in range(args.episodes)]
+    tokens = args.episodes * args.turns * args.tokens_per_turn
+    mb = sum(t.routed_experts.nbytes + t.input_ids.nbytes + t.output_ids.nbytes + t.output_logprobs.nbytes
+             for turns in episodes for t in turns) / 1e6
+    url = make_database()
+    try:
+        rows = {"swerve buffer": await ours(url, episodes), "COPY (ceiling)": copy_ceiling(url, episodes)}
+        with tempfile.TemporaryDirectory() as tmp:
+            rows["Parquet files"] = parquet(Path(tmp), episodes)
+    finally:
+        drop_database(url)
+    print(f"{args.episodes} episodes x {args.turns} turns = {tokens} tokens, {mb:.0f} MB "
+          f"(routed experts {LAYERS} layers x top-{TOP_K} uint8)")
+    print(f"{'path':15} {'in tok/s':>10} {'out tok/s':>10} {'in MB/s':>8} {'out MB/s':>9}")
+    for name, (w, r) in rows.items():
+        print(f"{name:15} {tokens / w:10.0f} {tokens / r:10.0f} {mb / w:8.0f} {mb / r:9.0f}")
+    ours_w, ours_r = rows["swerve buffer"]
+    copy_w, copy_r = rows["COPY (ceiling)"]
+    print(f"swerve vs COPY: in {copy_w / ours_w:.2f}x, out {copy_r / ours_r:.2f}x of the ceiling")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
