@@ -138,25 +138,13 @@ def copy_ceiling(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, flo
 
 
 def make_database() -> str:
-    from sqlalchemy.engine import make_url
-
-    name = f"swerve_bench_{uuid.uuid4().hex[:8]}"
-    engine = db.make_engine(ADMIN, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    engine.dispose()
-    url = make_url(db.sync_url(ADMIN)).set(database=name).render_as_string(False)
+    url = db.create_database(ADMIN, f"swerve_bench_{uuid.uuid4().hex[:8]}")
     db.upgrade(url)
     return url
 
 
 def drop_database(url: str) -> None:
-    from sqlalchemy.engine import make_url
-
-    engine = db.make_engine(ADMIN, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
-    engine.dispose()
+    db.drop_database(ADMIN, url)
 
 
 async def main() -> None:

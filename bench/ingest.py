@@ -19,8 +19,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -95,21 +93,13 @@ def upload(base: str, path: Path, fmt: str) -> tuple[float, dict]:
 
 
 def make_database() -> str:
-    name = f"swerve_bench_{uuid.uuid4().hex[:8]}"
-    engine = db.make_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    engine.dispose()
-    url = make_url(db.sync_url(ADMIN_URL)).set(database=name).render_as_string(False)
+    url = db.create_database(ADMIN_URL, f"swerve_bench_{uuid.uuid4().hex[:8]}")
     db.upgrade(url)
     return url
 
 
 def drop_database(url: str) -> None:
-    engine = db.make_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
-    engine.dispose()
+    db.drop_database(ADMIN_URL, url)
 
 
 def main() -> None:

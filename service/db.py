@@ -72,6 +72,26 @@ async def session_scope(factory: async_sessionmaker[AsyncSession]) -> AsyncItera
         yield session
 
 
+def create_database(admin_url: str, name: str) -> str:
+    """Create an empty PostgreSQL database next to admin_url's; return its URL."""
+    engine = make_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    finally:
+        engine.dispose()
+    return make_url(sync_url(admin_url)).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(admin_url: str, url: str) -> None:
+    engine = make_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
+    finally:
+        engine.dispose()
+
+
 def alembic_config(url: str):
     from alembic.config import Config
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
 from service import db
 from service.api.main import create_app
@@ -52,20 +51,11 @@ def pg_admin_url() -> str:
 
 
 def create_pg_database(admin_url: str) -> str:
-    name = f"swerve_test_{uuid.uuid4().hex[:12]}"
-    engine = db.make_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    engine.dispose()
-    return make_url(db.sync_url(admin_url)).set(database=name).render_as_string(False)
+    return db.create_database(admin_url, f"swerve_test_{uuid.uuid4().hex[:12]}")
 
 
 def drop_pg_database(admin_url: str, url: str) -> None:
-    name = make_url(url).database
-    engine = db.make_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    engine.dispose()
+    db.drop_database(admin_url, url)
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from sqlalchemy.engine import make_url
 
 from service import db
 from service.api.main import create_app
@@ -26,17 +25,12 @@ from tests.conftest import PG_ADMIN_URL, TOKEN, drop_pg_database, make_settings
 
 # The schema is read when the module is collected, and the app's start-up reads the database,
 # so the database is made here; the fixture below drops it (or reports PostgreSQL missing).
-DB_URL = make_url(db.sync_url(PG_ADMIN_URL)).set(
-    database=f"swerve_test_fuzz_{uuid.uuid4().hex[:8]}").render_as_string(False)
 try:
-    _admin = db.make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with _admin.connect() as _conn:
-        _conn.execute(sa.text(f'CREATE DATABASE "{make_url(DB_URL).database}"'))
-    _admin.dispose()
+    DB_URL = db.create_database(PG_ADMIN_URL, f"swerve_test_fuzz_{uuid.uuid4().hex[:8]}")
     db.upgrade(DB_URL)
     DB_ERROR = None
 except sa.exc.OperationalError as e:
-    DB_ERROR = e
+    DB_URL, DB_ERROR = "postgresql://unavailable/none", e
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(make_settings(DB_URL)))
 
 

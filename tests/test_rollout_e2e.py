@@ -26,8 +26,8 @@ SUITE = Path(__file__).resolve().parent.parent / "envs" / "example_suite" / "sui
 BROKER = os.environ.get("SWERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0] + "/14"
 
 
-@pytest.fixture
-def worker(migrated_pg_url, tmp_path):
+def worker_env(db_url: str, data_dir: Path) -> dict:
+    """Fresh broker queue and database for a worker process; skip/fail if a service is missing."""
     from tests.conftest import _truncate_pg
 
     require_bwrap()
@@ -35,9 +35,14 @@ def worker(migrated_pg_url, tmp_path):
         redis.Redis.from_url(BROKER).flushdb()
     except redis.ConnectionError as e:
         missing_service(f"Redis at {BROKER} ({e})")
-    _truncate_pg(migrated_pg_url)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
-        "SWERVE_DATABASE_URL": migrated_pg_url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(tmp_path)}
+    _truncate_pg(db_url)
+    return {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+        "SWERVE_DATABASE_URL": db_url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(data_dir)}
+
+
+@pytest.fixture
+def worker(migrated_pg_url, tmp_path):
+    env = worker_env(migrated_pg_url, tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency", "3"], env=env,
                             stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT)
     yield migrated_pg_url, tmp_path
@@ -133,18 +138,10 @@ async def test_sigkilled_worker_loses_nothing(migrated_pg_url, tmp_path):
     and no sandbox of the dead worker survives the new worker's reaper."""
     import signal
 
-    from tests.conftest import _truncate_pg, count_rows
+    from tests.conftest import count_rows
     from tests.test_sandboxes import host_processes_with
 
-    require_bwrap()
-    try:
-        redis.Redis.from_url(BROKER).flushdb()
-    except redis.ConnectionError as e:
-        missing_service(f"Redis at {BROKER} ({e})")
-    _truncate_pg(migrated_pg_url)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
-        "SWERVE_DATABASE_URL": migrated_pg_url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(tmp_path),
-        "SWERVE_SANDBOX_DIR": str(tmp_path / "sandboxes")}
+    env = worker_env(migrated_pg_url, tmp_path) | {"SWERVE_SANDBOX_DIR": str(tmp_path / "sandboxes")}
 
     def start_worker(name: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency", "2"], env=env,
