@@ -23,17 +23,19 @@ def _status_line(line: str) -> bool:
     return any(line.startswith(s) for s in STATUSES)
 
 
-def parse_pytest(log: str) -> dict[str, str]:
-    status_map = {}
+def _pytest_cases(log: str):
+    """(status, first token after it) of every pytest status line, as SWE-bench reads them."""
     for line in log.split("\n"):
         if _status_line(line):
             if line.startswith("FAILED"):
                 line = line.replace(" - ", " ")
             case = line.split()
-            if len(case) <= 1 or _is_skip_summary(case[0], case[1]):
-                continue
-            status_map[case[1]] = case[0]
-    return status_map
+            if len(case) > 1 and not _is_skip_summary(case[0], case[1]):
+                yield case[0], case[1]
+
+
+def parse_pytest(log: str) -> dict[str, str]:
+    return {name: status for status, name in _pytest_cases(log)}
 
 
 _OPTION = re.compile(r"(.*?)\[(.*)\]")
@@ -41,21 +43,13 @@ _OPTION = re.compile(r"(.*?)\[(.*)\]")
 
 def parse_pytest_options(log: str) -> dict[str, str]:
     status_map = {}
-    for line in log.split("\n"):
-        if _status_line(line):
-            if line.startswith("FAILED"):
-                line = line.replace(" - ", " ")
-            case = line.split()
-            if len(case) <= 1 or _is_skip_summary(case[0], case[1]):
-                continue
-            if match := _OPTION.search(case[1]):
-                main, option = match.groups()
-                if option.startswith("/") and not option.startswith("//") and "*" not in option:
-                    option = "/" + option.split("/")[-1]
-                name = f"{main}[{option}]"
-            else:
-                name = case[1]
-            status_map[name] = case[0]
+    for status, name in _pytest_cases(log):
+        if match := _OPTION.search(name):
+            main, option = match.groups()
+            if option.startswith("/") and not option.startswith("//") and "*" not in option:
+                option = "/" + option.split("/")[-1]
+            name = f"{main}[{option}]"
+        status_map[name] = status
     return status_map
 
 

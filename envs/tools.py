@@ -114,13 +114,12 @@ class Editor:
             return f"Files and folders up to 2 levels deep in {path}:\n{r.output}"
         if kind == "none":
             return f"The path {path} does not exist."
+        if args.get("view_range"):
+            return await self._view_range(path, args["view_range"])
         size = await self.sandbox.execute(f"wc -c < {shlex.quote(path)}")
         if size.exit_code == 0 and int(size.output.strip() or 0) > self.max_view_bytes:
             return (f"{path} is {int(size.output)} bytes, too large to view whole; use view_range "
-                    "or bash (grep, sed -n) to look at parts of it.") if not args.get("view_range") else \
-                await self._view_range(path, args["view_range"])  # fmt: skip
-        if args.get("view_range"):
-            return await self._view_range(path, args["view_range"])
+                    "or bash (grep, sed -n) to look at parts of it.")
         data = await self._read(path)
         if isinstance(data, str):
             return data
