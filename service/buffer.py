@@ -22,6 +22,11 @@ from service.records import decode_array, encode_ids, encode_logprobs, encode_ro
 from service.tables import EPISODE_FINAL_STATUSES, Episode, Group, Turn, utcnow
 
 
+class Superseded(Exception):
+    """A newer attempt of the episode took over (its worker was presumed dead): this attempt
+    may write nothing more."""
+
+
 class ClaimLost(Exception):
     """The claim's lease expired and its groups went back to the buffer (or to another trainer)."""
 
@@ -77,8 +82,9 @@ class Buffer:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
-    async def append_turn(self, episode_id: uuid.UUID, turn) -> None:
-        """Store one finished turn; a repeat of the same (episode, idx) is ignored."""
+    async def append_turn(self, episode_id: uuid.UUID, turn, attempt: int | None = None) -> None:
+        """Store one finished turn; a repeat of the same (episode, idx) is ignored. With
+        `attempt`, raise Superseded (storing nothing) unless that attempt is the running one."""
         row = {
             "episode_id": episode_id, "idx": turn.idx, "segment": turn.segment,
             "input_ids": encode_ids(turn.input_ids), "output_ids": encode_ids(turn.output_ids),
@@ -94,18 +100,28 @@ class Buffer:
                 # A turn is durable once the server has it; waiting for its WAL flush on every
                 # turn would cap a worker at a few hundred turns/s. Episode ends stay synchronous.
                 await conn.execute(sa.text("SET LOCAL synchronous_commit TO OFF"))
+            if attempt is not None:
+                fence = sa.select(Episode.id).where(Episode.id == episode_id, Episode.attempt == attempt,
+                                                    Episode.status == "running")
+                if conn.dialect.name == "postgresql":
+                    fence = fence.with_for_update(read=True)  # a restart waits for this turn, then removes it
+                if (await conn.execute(fence)).first() is None:
+                    raise Superseded(f"episode {episode_id}: attempt {attempt} is no longer the running one")
             stmt = _insert(conn)(Turn).values(**row).on_conflict_do_nothing(index_elements=["episode_id", "idx"])
             await conn.execute(stmt)
 
-    async def finish_episode(self, episode_id: uuid.UUID, **fields) -> bool:
+    async def finish_episode(self, episode_id: uuid.UUID, attempt: int | None = None, **fields) -> bool:
         """Make an episode final (status and results in `fields`) exactly once; when it was the
-        last of its group, the group becomes ready. Returns False if it was already final."""
+        last of its group, the group becomes ready. Returns False if it was already final (or,
+        with `attempt`, if a newer attempt took over)."""
         if fields.get("status") not in EPISODE_FINAL_STATUSES:
             raise ValueError(f"status must be one of {EPISODE_FINAL_STATUSES}, got {fields.get('status')!r}")
+        where = [Episode.id == episode_id, Episode.status.not_in(EPISODE_FINAL_STATUSES)]
+        if attempt is not None:
+            where.append(Episode.attempt == attempt)
         async with self.engine.begin() as conn:
             updated = await conn.execute(
-                sa.update(Episode).where(Episode.id == episode_id, Episode.status.not_in(EPISODE_FINAL_STATUSES))
-                .values(finished_at=utcnow(), **fields).returning(Episode.group_id))
+                sa.update(Episode).where(*where).values(finished_at=utcnow(), **fields).returning(Episode.group_id))
             group_id = updated.scalar_one_or_none()
             if group_id is None:
                 return False

@@ -82,7 +82,7 @@ def serve(
 
 @app.command()
 def worker(
-    concurrency: Annotated[int, typer.Option(min=1, help="Worker processes.")] = 2,
+    concurrency: Annotated[int, typer.Option(min=1, help="Episodes in flight in this process (they share one event loop).")] = 64,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Run a Celery worker on SWERVE_BROKER_URL."""
@@ -93,7 +93,10 @@ def worker(
         raise typer.Exit(2)
     from service.celery_app import app as celery
 
-    celery.worker_main(["worker", f"--concurrency={concurrency}", f"--loglevel={loglevel}",
+    from service.worker_runtime import runtime
+
+    runtime(settings)  # the loop every episode of this process runs on
+    celery.worker_main(["worker", "--pool=threads", f"--concurrency={concurrency}", f"--loglevel={loglevel}",
                         "--queues=swerve", "--hostname=swerve@%h"])
 
 

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     """Largest suite upload accepted (bytes); larger uploads answer 413."""
     max_listed_errors: int = Field(1000, gt=0)
     """How many record errors a refused suite upload lists (the total is always given)."""
+    orchestrator_lease_s: float = Field(15.0, gt=0)
+    """A run whose orchestrator has not renewed its lease for this long is taken over by
+    another process (the owner renews it every half second)."""
     log_format: str = "text"
     """`text` for people, `json` for containers."""
 

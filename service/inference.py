@@ -234,6 +234,7 @@ class VLLMClient:
             response = (await self._http.post(f"{ep.url}/v1/completions", json=body)).raise_for_status()
         finally:
             ep.inflight -= 1
+        await self._check_version(ep)  # a reload may have happened while this request ran
         choice = response.json()["choices"][0]
         output_ids = list(choice["token_ids"])
         logprobs = list(choice["logprobs"]["token_logprobs"]) if choice.get("logprobs") else []
@@ -246,6 +247,20 @@ class VLLMClient:
                           finish_reason=choice.get("finish_reason") or "stop", policy_version=version,
                           policy_version_end=ep.version, routed_experts=experts, server=ep.url,
                           prompt_tokens=len(token_ids), latency_s=time.perf_counter() - started)
+
+    async def _check_version(self, ep: Endpoint) -> None:
+        """Learn the version a server serves now (a trainer elsewhere may have reloaded it)."""
+        try:
+            info = await self._http.get(f"{ep.url}/weight_info", timeout=5.0)
+        except httpx.HTTPError:
+            return  # the next request finds out whether the server is gone
+        if info.status_code == 200:
+            ep.version = _parse_version(info.json().get("weight_version"))
+
+    async def refresh_versions(self) -> int:
+        """Ask every healthy server its version; return the oldest (what a new episode may get)."""
+        await asyncio.gather(*(self._check_version(ep) for ep in self.endpoints if ep.healthy))
+        return self.version
 
     async def reload(self, weights_dir: str, version: int) -> list[str]:
         """Make every healthy server serve `weights_dir` as `version`; return the servers that

@@ -1,66 +1,134 @@
-"""The orchestrator of a run: keeps `concurrency` episodes in flight, stops a run whose
-sandboxes or fleet keep failing, finishes or cancels it. All its state is in the database,
-so a restarted orchestrator picks up where the last one stopped."""
+"""The orchestrator of a run: keeps `concurrency` episodes in flight, starts the samples of a
+task together (a group), holds back new groups that would train too far off-policy, stops a
+run whose sandboxes or fleet keep failing, finishes or cancels it.
+
+One owner per run: an orchestrator holds a lease on the run row (`owner`,
+`owner_heartbeat_at`) that every tick renews under the row's lock; another process takes the
+run over only once the lease has lapsed. All other state is in the database, so a new owner
+picks up where the last one stopped. `Supervisor` runs in every API process (and in the
+embedded `swerve run`): it starts orchestrators for active runs that nobody owns.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.buffer import Buffer
+from service.inference import FleetConfig, ProviderError, VLLMClient
 from service.runs import RunConfig
-from service.tables import EPISODE_FINAL_STATUSES, Episode, Run, Turn, utcnow
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Turn, utcnow
 
 logger = logging.getLogger(__name__)
 FAILURES = ("sandbox_error", "provider_error")
 
 
-async def orchestrate(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[str], None],
-                      poll_s: float = 0.5) -> str:  # fmt: skip
-    """Drive a run to finished, cancelled or failed; returns that status."""
-    while True:
-        status = await _tick(engine, run_id, submit)
-        if status is not None:
-            logger.info("run %s %s", run_id, status)
-            return status
-        await asyncio.sleep(poll_s)
+def new_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-async def _tick(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[str], None]) -> str | None:
+class FleetVersion:
+    """The policy version a new episode of a vLLM run would be sampled with (oldest served)."""
+
+    def __init__(self, cfg: RunConfig):
+        self.fleet_cfg = (FleetConfig(endpoints=cfg.policy.endpoints, model=cfg.policy.model, max_retries=0)
+                          if cfg.policy.type == "vllm" else None)  # fmt: skip
+        self.client: VLLMClient | None = None
+
+    async def get(self) -> int | None:
+        if self.fleet_cfg is None:
+            return None
+        try:
+            if self.client is None:
+                self.client = await VLLMClient(self.fleet_cfg).start()
+            version = await self.client.refresh_versions()
+            return None if version < 0 else version
+        except ProviderError:
+            return None  # unreachable: its episodes fail and the failure stop decides
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+
+async def orchestrate(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[str], None], *,
+                      owner: str | None = None, poll_s: float = 0.5, lease_s: float = 15.0) -> str | None:  # fmt: skip
+    """Drive a run to finished, cancelled or failed and return that status; None when another
+    live orchestrator owns the run (or takes it over from this one)."""
+    owner = owner or new_owner()
+    async with engine.connect() as conn:
+        cfg = RunConfig.model_validate(await conn.scalar(sa.select(Run.config).where(Run.id == run_id)))
+    fleet = FleetVersion(cfg)
+    first = True
+    try:
+        while True:
+            version = await fleet.get()
+            status = await _tick(engine, run_id, cfg, submit, owner, lease_s, version, takeover=first)
+            first = False
+            if status == "not owner":
+                return None
+            if status is not None:
+                logger.info("run %s %s", run_id, status)
+                return status
+            await asyncio.sleep(poll_s)
+    finally:
+        await fleet.close()
+
+
+async def _own(conn: AsyncConnection, run_id: uuid.UUID, owner: str, lease_s: float) -> bool:
+    """Take or renew the run's lease; the row stays locked until the tick's transaction ends."""
+    now = utcnow()
+    taken = await conn.execute(sa.update(Run).where(
+        Run.id == run_id, Run.status.in_(RUN_ACTIVE_STATUSES),
+        sa.or_(Run.owner.is_(None), Run.owner == owner, Run.owner_heartbeat_at < now - timedelta(seconds=lease_s)),
+    ).values(owner=owner, owner_heartbeat_at=now))
+    return taken.rowcount == 1
+
+
+async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: Callable[[str], None],
+                owner: str, lease_s: float, fleet_version: int | None, takeover: bool = False) -> str | None:  # fmt: skip
     async with engine.begin() as conn:
-        run = (await conn.execute(sa.select(Run.status, Run.config).where(Run.id == run_id))).one()
-        cfg = RunConfig.model_validate(run.config)
+        if not await _own(conn, run_id, owner, lease_s):
+            status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+            return status if status not in RUN_ACTIVE_STATUSES else "not owner"
+        run_status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
         counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count())
                                           .where(Episode.run_id == run_id).group_by(Episode.status))).all())
-        if run.status not in ("running", "cancelling"):
-            return run.status
-        lost = await _requeue_lost(conn, run_id, cfg)
+        resend = await _lost(conn, run_id, cfg, all_queued=takeover)
         in_flight = counts.get("queued", 0) + counts.get("running", 0)
-        if run.status == "cancelling" or await _failing(conn, run_id, cfg.max_consecutive_failures):
-            final = "cancelled" if run.status == "cancelling" else "failed"
+        gate = None
+        if run_status == "cancelling" or await _failing(conn, run_id, cfg.max_consecutive_failures):
+            final = "cancelled" if run_status == "cancelling" else "failed"
             pending = (await conn.execute(sa.select(Episode.id).where(
                 Episode.run_id == run_id, Episode.status.in_(("pending", "queued"))))).scalars().all()
         elif sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL_STATUSES):
-            await conn.execute(sa.update(Run).where(Run.id == run_id).values(status="finished", finished_at=utcnow()))
+            await conn.execute(sa.update(Run).where(Run.id == run_id).values(
+                status="finished", finished_at=utcnow(), owner=None, gate=None))
             return "finished"
         else:
-            starts = (await conn.execute(sa.select(Episode.id).where(
-                Episode.run_id == run_id, Episode.status == "pending")
-                .order_by(Episode.group_id, Episode.sample_index)
-                .limit(max(0, cfg.concurrency - in_flight)))).scalars().all()
-            starts = list(starts) + lost
+            gate = await _gate(conn, run_id, cfg, fleet_version)
+            query = (sa.select(Episode.id).where(Episode.run_id == run_id, Episode.status == "pending")
+                     .order_by(Episode.group_id, Episode.sample_index).limit(max(0, cfg.concurrency - in_flight)))
+            if gate is not None:  # only the rest of groups already started: a group is sampled together
+                query = query.where(Episode.group_id.in_(sa.select(Episode.group_id).where(
+                    Episode.run_id == run_id, Episode.status != "pending")))
+            starts = list((await conn.execute(query)).scalars().all())
             if starts:
                 await conn.execute(sa.update(Episode).where(Episode.id.in_(starts))
                                    .values(status="queued", queued_at=utcnow()))
+            await conn.execute(sa.update(Run).where(Run.id == run_id, sa.or_(Run.gate.is_(None), Run.gate != gate))
+                               .values(gate=gate))
             pending, final = [], None
     if final is None:
-        for episode_id in starts:
+        for episode_id in starts + resend:
             submit(str(episode_id))
         return None
     buffer = Buffer(engine)
@@ -69,29 +137,120 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[str], 
     if final == "cancelled" and counts.get("running", 0):
         return None  # wait for running episodes to end
     async with engine.begin() as conn:
-        await conn.execute(sa.update(Run).where(Run.id == run_id).values(status=final, finished_at=utcnow()))
+        await conn.execute(sa.update(Run).where(Run.id == run_id).values(
+            status=final, finished_at=utcnow(), owner=None, gate=None))
     return final
 
 
-async def _requeue_lost(conn, run_id: uuid.UUID, cfg: RunConfig) -> list[uuid.UUID]:
-    """Episodes whose worker died (stale heartbeat) or whose message was lost (queued too long).
-    Sending them again is safe: the episode task restarts a running episode cleanly."""
+async def _gate(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, fleet_version: int | None) -> str | None:
+    """Why no new group may start now (None: they may). Trainer version: the newest published
+    policy. A new group is held back when the fleet serves a version more than
+    max_off_policy_steps behind it, or, with `groups_per_step` set, when so many of the run's
+    groups already wait to be trained on that the new one would be consumed more than
+    max_off_policy_steps steps from now."""
+    if cfg.policy.type != "vllm":
+        return None  # scripted policies sample nothing to be off-policy from
+    trainer = await conn.scalar(sa.select(sa.func.max(Policy.version))) or 0
+    if fleet_version is not None and trainer - fleet_version > cfg.max_off_policy_steps:
+        return (f"fleet serves policy version {fleet_version}, trainer is at {trainer} "
+                f"(max_off_policy_steps={cfg.max_off_policy_steps}): waiting for the fleet to reload")
+    if cfg.groups_per_step is not None:
+        started = sa.select(Episode.group_id).where(Episode.run_id == run_id, Episode.status != "pending")
+        waiting = await conn.scalar(sa.select(sa.func.count()).select_from(Group).where(
+            Group.run_id == run_id, sa.or_(Group.status.in_(("ready", "claimed")),
+                                           sa.and_(Group.status == "pending", Group.id.in_(started)))))
+        limit = (cfg.max_off_policy_steps + 1) * cfg.groups_per_step
+        if waiting >= limit:
+            return (f"{waiting} groups started and not yet trained on, the most that "
+                    f"(max_off_policy_steps + 1) × groups_per_step = {limit} allows: waiting for the trainer")
+    return None
+
+
+async def _lost(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, all_queued: bool) -> list[uuid.UUID]:
+    """Episodes to send again: running ones whose worker died (stale heartbeat) go back to
+    queued as a new attempt, with the dead attempt's turns removed; queued ones whose message
+    may be lost (too old, or, on taking a run over, all of them) are sent again. Duplicate
+    messages are harmless: a worker starts an episode only from queued, under its attempt."""
     now = utcnow()
-    lost = (await conn.execute(sa.select(Episode.id).where(Episode.run_id == run_id, sa.or_(
-        sa.and_(Episode.status == "running", Episode.heartbeat_at < now - timedelta(seconds=cfg.worker_timeout_s)),
-        sa.and_(Episode.status == "queued", Episode.queued_at < now - timedelta(seconds=cfg.queue_timeout_s)),
-    )))).scalars().all()
-    if lost:
-        logger.warning("run %s: sending %d episode(s) again (lost worker or message)", run_id, len(lost))
-        # the dead attempt's turns go: the next attempt records its own from turn 0
-        await conn.execute(sa.delete(Turn).where(Turn.episode_id.in_(lost)))
-        await conn.execute(sa.update(Episode).where(Episode.id.in_(lost), Episode.status == "running")
-                           .values(attempt=Episode.attempt + 1))
-    return list(lost)
+    dead = (await conn.execute(sa.select(Episode.id).where(
+        Episode.run_id == run_id, Episode.status == "running",
+        Episode.heartbeat_at < now - timedelta(seconds=cfg.worker_timeout_s)))).scalars().all()
+    if dead:
+        logger.warning("run %s: %d episode(s) lost their worker; starting them again", run_id, len(dead))
+        # the attempt moves first: a zombie attempt's later turns are refused, then its turns go
+        await conn.execute(sa.update(Episode).where(Episode.id.in_(dead), Episode.status == "running")
+                           .values(status="queued", attempt=Episode.attempt + 1, queued_at=now, heartbeat_at=None))
+        await conn.execute(sa.delete(Turn).where(Turn.episode_id.in_(dead)))
+    queued = sa.select(Episode.id).where(Episode.run_id == run_id, Episode.status == "queued",
+                                         Episode.id.not_in(dead) if dead else sa.true())
+    if not all_queued:
+        queued = queued.where(Episode.queued_at < now - timedelta(seconds=cfg.queue_timeout_s))
+    again = (await conn.execute(queued)).scalars().all()
+    if again:
+        await conn.execute(sa.update(Episode).where(Episode.id.in_(again)).values(queued_at=now))
+    return list(dead) + list(again)
 
 
-async def _failing(conn, run_id: uuid.UUID, limit: int) -> bool:
+async def _failing(conn: AsyncConnection, run_id: uuid.UUID, limit: int) -> bool:
     recent = (await conn.execute(sa.select(Episode.status).where(
         Episode.run_id == run_id, Episode.finished_at.is_not(None))
         .order_by(Episode.finished_at.desc()).limit(limit))).scalars().all()
     return len(recent) == limit and all(s in FAILURES for s in recent)
+
+
+def _log_failure(job: asyncio.Task) -> None:
+    if not job.cancelled() and job.exception() is not None:
+        logger.error("orchestrator stopped on an error (the next scan restarts it): %r", job.exception())
+
+
+class Supervisor:
+    """Starts an orchestrator for every active run without a live owner, in this process."""
+
+    def __init__(self, engine: AsyncEngine, submit: Callable[[str], None], *, owner: str | None = None,
+                 poll_s: float = 0.5, lease_s: float = 15.0, scan_s: float = 2.0):  # fmt: skip
+        self.engine, self.submit = engine, submit
+        self.owner = owner or new_owner()
+        self.poll_s, self.lease_s, self.scan_s = poll_s, lease_s, scan_s
+        self.jobs: dict[uuid.UUID, asyncio.Task] = {}
+        self._scanner: asyncio.Task | None = None
+
+    def start(self, run_id: uuid.UUID) -> None:
+        job = self.jobs.get(run_id)
+        if job is None or job.done():
+            self.jobs[run_id] = asyncio.get_running_loop().create_task(orchestrate(
+                self.engine, run_id, self.submit, owner=self.owner, poll_s=self.poll_s, lease_s=self.lease_s))
+            self.jobs[run_id].add_done_callback(_log_failure)
+
+    async def scan(self) -> None:
+        now = utcnow()
+        async with self.engine.connect() as conn:
+            orphans = (await conn.execute(sa.select(Run.id).where(
+                Run.status.in_(RUN_ACTIVE_STATUSES),
+                sa.or_(Run.owner.is_(None), Run.owner == self.owner,
+                       Run.owner_heartbeat_at < now - timedelta(seconds=self.lease_s))))).scalars().all()
+        for run_id in orphans:
+            self.start(run_id)
+
+    async def _scan_forever(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except Exception:  # a database blip: the next scan retries
+                logger.exception("orchestrator scan failed")
+            await asyncio.sleep(self.scan_s)
+
+    def run_in_background(self) -> None:
+        self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
+
+    async def close(self) -> None:
+        """Stop this process's orchestrators and give up their runs, so another process takes
+        them over at once instead of after the lease."""
+        jobs = [j for j in (self._scanner, *self.jobs.values()) if j is not None]
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(sa.update(Run).where(Run.owner == self.owner).values(owner=None))
+        except Exception:
+            logger.exception("could not release runs owned by %s", self.owner)

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+import weakref
+from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 
 import sqlalchemy as sa
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from envs.grading import RewardError
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnv, SWEEnvConfig, grade, task_sandbox
 from sandboxes.base import SandboxError
 from service.agent import EpisodeResult, TokenRenderer, run_episode
-from service.buffer import Buffer
+from service.buffer import Buffer, Superseded
 from service.config import Settings
 from service.inference import FleetConfig, ProviderError, VLLMClient
 from service.policies import oracle, replay
@@ -31,11 +35,28 @@ GRADED = ("submitted", "max_turns", "context_exhausted", "timeout")
 
 
 class DbTurnSink:
-    def __init__(self, buffer: Buffer, episode_id: uuid.UUID):
-        self.buffer, self.episode_id = buffer, episode_id
+    def __init__(self, buffer: Buffer, episode_id: uuid.UUID, attempt: int | None = None):
+        self.buffer, self.episode_id, self.attempt = buffer, episode_id, attempt
 
     async def append(self, turn) -> None:
-        await self.buffer.append_turn(self.episode_id, turn)
+        await db_retry(lambda: self.buffer.append_turn(self.episode_id, turn, attempt=self.attempt),
+                       f"turn {turn.idx} of episode {self.episode_id}")
+
+
+async def db_retry(make, what: str, budget_s: float = 300.0):
+    """Await make() again while the database is unreachable (a restart, a failover), up to
+    budget_s; an episode outlives a database blip instead of being thrown away."""
+    delay, deadline = 0.25, time.monotonic() + budget_s
+    while True:
+        try:
+            return await make()
+        except (OperationalError, InterfaceError) as e:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("database unavailable writing %s (%s); retrying in %.1f s", what,
+                           str(e).splitlines()[0][:200], delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 @lru_cache(maxsize=8)
@@ -46,38 +67,53 @@ def _tokenizer(path: str):
 
 
 async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
-    """Claim the episode for this worker; None if there is nothing to do."""
+    """Claim the episode for this worker as a new attempt; None if there is nothing to do
+    (final, or running under a live worker: a duplicate message)."""
     async with engine.begin() as conn:
-        row = (await conn.execute(sa.select(Episode.status, Episode.attempt, Episode.task_id, Episode.run_id,
-                                            Run.status.label("run_status"), Run.config)
+        row = (await conn.execute(sa.select(Episode.status, Episode.attempt, Episode.heartbeat_at, Episode.task_id,
+                                            Episode.run_id, Run.status.label("run_status"), Run.config)
                                   .join(Run, Run.id == Episode.run_id).where(Episode.id == episode_id))).first()
         if row is None or row.status in EPISODE_FINAL_STATUSES:
             return None
-        if row.status == "running":  # a lost worker's attempt: start over cleanly
+        restart = row.status == "running"
+        if restart:  # a lost worker's attempt (stale heartbeat) starts over; a live one is left alone
+            timeout = RunConfig.model_validate(row.config).worker_timeout_s
+            if row.heartbeat_at is not None and _aware(row.heartbeat_at) > utcnow() - timedelta(seconds=timeout):
+                return None
+        attempt = row.attempt + restart
+        claimed = await conn.execute(sa.update(Episode).where(
+            Episode.id == episode_id, Episode.status == row.status, Episode.attempt == row.attempt,
+        ).values(status="running", started_at=utcnow(), heartbeat_at=utcnow(), attempt=attempt))
+        if claimed.rowcount != 1:
+            return None  # another worker got it first
+        if restart:  # after the attempt moved, so the old attempt can add nothing more
             await conn.execute(sa.delete(Turn).where(Turn.episode_id == episode_id))
-        await conn.execute(sa.update(Episode).where(Episode.id == episode_id).values(
-            status="running", started_at=utcnow(), heartbeat_at=utcnow(),
-            attempt=row.attempt + (row.status == "running")))
         task = (await conn.execute(sa.select(Task).where(Task.id == row.task_id))).one()
-    return row, task
+    return row, task, attempt
+
+
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=timezone.utc)
 
 
 async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUID) -> str | None:
-    started = await _start(engine, episode_id)
+    started = await db_retry(lambda: _start(engine, episode_id), f"start of episode {episode_id}")
     if started is None:
         return None
-    row, task_row = started
+    row, task_row, attempt = started
     buffer = Buffer(engine)
     cfg = RunConfig.model_validate(row.config)
     if row.run_status not in RUN_ACTIVE_STATUSES or row.run_status == "cancelling":
-        await buffer.finish_episode(episode_id, status="cancelled")
+        await db_retry(lambda: buffer.finish_episode(episode_id, status="cancelled", attempt=attempt),
+                       f"end of episode {episode_id}")
         return "cancelled"
     task = task_from_row(task_row)
     env_cfg = SWEEnvConfig(backend=cfg.backend, limits=cfg.limits, env_cache_dir=settings.data_dir / "envs",
                            bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
     result, fields = EpisodeResult(status="sandbox_error"), {}
     try:
-        result = await _supervised(engine, row.run_id, episode_id, _run(cfg, task, env_cfg, buffer, episode_id))
+        result = await _supervised(engine, row.run_id, episode_id, attempt,
+                                   _run(cfg, task, env_cfg, buffer, episode_id, attempt))
         if result.status in GRADED and result.diff is not None:
             report = await grade(task, result.diff, env_cfg)
             fields = {"reward": report.reward(cfg.partial_credit), "report": report.to_json(), "graded_at": utcnow()}
@@ -85,45 +121,59 @@ async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: u
         result.status = "timeout" if e.kind == "timeout" else "reward_error"
         fields = {"report": {"error": str(e), "log_tail": e.log[-4000:]}}
         result.error_type, result.error_message = "RewardError", str(e)
+    except Superseded:
+        result.status = "superseded"
     except (SandboxError, ProviderError) as e:
         result.status = "sandbox_error" if isinstance(e, SandboxError) else "provider_error"
         result.error_type, result.error_message = type(e).__name__, str(e)
-    await buffer.finish_episode(
-        episode_id, status=result.status, n_turns=result.n_turns, input_tokens=result.input_tokens,
+    if result.status == "superseded":
+        logger.warning("episode %s attempt %d was superseded by a newer attempt; stopped it", episode_id, attempt)
+        return None
+    await db_retry(lambda: buffer.finish_episode(
+        episode_id, attempt=attempt, status=result.status, n_turns=result.n_turns, input_tokens=result.input_tokens,
         output_tokens=result.output_tokens, segment_starts=result.segment_starts, diff=result.diff,
         policy_version_min=result.policy_version_min, policy_version_max=result.policy_version_max,
-        error_type=result.error_type, error_message=result.error_message, **fields)
+        error_type=result.error_type, error_message=result.error_message, **fields), f"end of episode {episode_id}")
     logger.info("episode finished", extra={"rollout_id": str(episode_id), "task_id": task.instance_id,
                                            "status": result.status, "reward": fields.get("reward")})
     return result.status
 
 
-async def _supervised(engine: AsyncEngine, run_id: uuid.UUID, episode_id: uuid.UUID, work,
+async def _supervised(engine: AsyncEngine, run_id: uuid.UUID, episode_id: uuid.UUID, attempt: int, work,
                       poll_s: float = 1.0) -> EpisodeResult:  # fmt: skip
-    """Run `work` with a heartbeat on the episode row every poll_s, and stop it (closing its
-    sandbox) within poll_s of its run being cancelled."""
+    """Run `work` with a heartbeat on the episode row every poll_s; stop it (closing its
+    sandbox) within poll_s of its run being cancelled or of a newer attempt taking over."""
     job = asyncio.ensure_future(work)
     while not job.done():
         await asyncio.wait([job], timeout=poll_s)
         if job.done():
             break
-        async with engine.begin() as conn:
-            await conn.execute(sa.update(Episode).where(Episode.id == episode_id).values(heartbeat_at=utcnow()))
-            status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
-        if status not in RUN_ACTIVE_STATUSES or status == "cancelling":
+        try:
+            async with engine.begin() as conn:
+                beat = await conn.execute(sa.update(Episode).where(
+                    Episode.id == episode_id, Episode.attempt == attempt, Episode.status == "running",
+                ).values(heartbeat_at=utcnow()))
+                status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+        except OperationalError as e:  # the database is away: keep working, turns wait for it
+            logger.warning("heartbeat of episode %s failed: %s", episode_id, e)
+            continue
+        stop = "superseded" if beat.rowcount != 1 else (
+            "cancelled" if status not in RUN_ACTIVE_STATUSES or status == "cancelling" else None)
+        if stop is not None:
             job.cancel()
             try:
                 await job
             except asyncio.CancelledError:
                 pass
-            return EpisodeResult(status="cancelled")
+            return EpisodeResult(status=stop)
     return job.result()
 
 
-async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID) -> EpisodeResult:
+async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID,
+               attempt: int) -> EpisodeResult:  # fmt: skip
     tokenizer = _tokenizer(str(cfg.policy.tokenizer))
     renderer = TokenRenderer(tokenizer, SWEEnv.tools)
-    sink = DbTurnSink(buffer, episode_id)
+    sink = DbTurnSink(buffer, episode_id, attempt)
     async with task_sandbox(task, env_cfg, episode=str(episode_id)) as sandbox:
         env = SWEEnv(task, sandbox, env_cfg)
         if cfg.policy.type == "oracle":
@@ -131,8 +181,29 @@ async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, epis
         if cfg.policy.type == "replay":
             policy = replay(tokenizer, cfg.policy.calls, cfg.policy.latency_s)
             return await run_episode(policy, env, renderer, cfg.agent, sink)
-        fleet = await VLLMClient(FleetConfig(endpoints=cfg.policy.endpoints, model=cfg.policy.model)).start()
+        fleet = await shared_fleet(FleetConfig(endpoints=cfg.policy.endpoints, model=cfg.policy.model))
         try:
             return await run_episode(fleet, env, renderer, cfg.agent, sink, session=str(episode_id))
         finally:
-            await fleet.close()
+            fleet.end_session(str(episode_id))
+
+
+_fleets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def shared_fleet(cfg: FleetConfig) -> VLLMClient:
+    """One fleet client per event loop and fleet: the episodes of a worker share its
+    connections, health checks and placement (least-loaded with session affinity)."""
+    per_loop = _fleets.setdefault(asyncio.get_running_loop(), {})
+    key = cfg.model_dump_json()
+    lock = per_loop.setdefault(("lock", key), asyncio.Lock())
+    async with lock:
+        if key not in per_loop:
+            per_loop[key] = await VLLMClient(cfg).start()
+        return per_loop[key]
+
+
+async def close_fleets() -> None:
+    for key, client in list(_fleets.pop(asyncio.get_running_loop(), {}).items()):
+        if isinstance(client, VLLMClient):
+            await client.close()

@@ -68,6 +68,10 @@ class RunConfig(BaseModel):
     """Episodes in flight at once."""
     max_off_policy_steps: int = Field(4, ge=0)
     """Do not start episodes more than this many trainer steps behind the newest policy."""
+    groups_per_step: int | None = Field(None, ge=1)
+    """The trainer's batch in groups, when known: the orchestrator then keeps at most
+    (max_off_policy_steps + 1) × groups_per_step of the run's groups started and not yet trained
+    on, so a group cannot wait in the buffer for more than max_off_policy_steps steps."""
     worker_timeout_s: float = Field(60.0, gt=0)
     """A running episode whose heartbeat is this old lost its worker: it is restarted."""
     queue_timeout_s: float = Field(1800.0, gt=0)

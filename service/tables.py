@@ -135,6 +135,8 @@ class Run(Base):
     """Orchestrator that owns the run (host:pid:nonce); taken over when its heartbeat lapses."""
     owner_heartbeat_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     error: Mapped[str | None] = mapped_column(sa.Text)
+    gate: Mapped[str | None] = mapped_column(sa.Text)
+    """Why the orchestrator holds back new groups now (staleness control); None: it does not."""
 
 
 class Group(Base):

@@ -3,7 +3,6 @@ lost worker; the episode then restarts cleanly)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import uuid
@@ -19,18 +18,8 @@ def ping() -> dict:
 
 @shared_task(name="swerve.episode", acks_late=True, reject_on_worker_lost=True)
 def episode(episode_id: str) -> str | None:
-    """Run one episode to its final status; trajectories go to the database, not the broker."""
-    from service.config import get_settings
-    from service.db import make_async_engine
-    from service.rollout import execute_episode
+    """Run one episode to its final status on this process's shared event loop; trajectories
+    go to the database, not the broker."""
+    from service.worker_runtime import runtime
 
-    settings = get_settings()
-
-    async def go() -> str | None:
-        engine = make_async_engine(settings.resolved_database_url)
-        try:
-            return await execute_episode(engine, settings, uuid.UUID(episode_id))
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
+    return runtime().run(uuid.UUID(episode_id))

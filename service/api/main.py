@@ -27,8 +27,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         from service.celery_app import make_celery
 
         app.state.celery = make_celery(settings)
-        await _resume_orchestrators(app)
+        app.state.supervisor = _supervisor(app, settings)
+        app.state.supervisor.run_in_background()  # runs left active by a dead process are taken over
         yield
+        await app.state.supervisor.close()
         for job in list(app.state.background):
             job.cancel()
         await app.state.engine.dispose()
@@ -42,17 +44,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def _resume_orchestrators(app: FastAPI) -> None:
-    """Runs left active by a previous process pick up where they stopped (state is in the database)."""
-    import sqlalchemy as sa
+def _supervisor(app: FastAPI, settings: Settings):
+    from service.orchestrator import Supervisor
 
-    from service.api.routes.runs import start_orchestrator_for
-    from service.tables import Run
+    celery = app.state.celery
 
-    async with app.state.engine.connect() as conn:
-        active = (await conn.execute(sa.select(Run.id).where(Run.status.in_(("running", "cancelling"))))).scalars().all()
-    for run_id in active:
-        start_orchestrator_for(app, run_id)
+    def submit(episode_id: str) -> None:
+        celery.send_task("swerve.episode", args=[episode_id], queue="swerve")
+
+    return Supervisor(app.state.engine, submit, lease_s=settings.orchestrator_lease_s)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -23,20 +23,7 @@ Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 
 def start_orchestrator(request: Request, run_id: uuid.UUID) -> None:
-    start_orchestrator_for(request.app, run_id)
-
-
-def start_orchestrator_for(app, run_id: uuid.UUID) -> None:
-    from service.orchestrator import orchestrate
-
-    celery = app.state.celery
-
-    def submit(episode_id: str) -> None:
-        celery.send_task("swerve.episode", args=[episode_id], queue="swerve")
-
-    job = asyncio.get_running_loop().create_task(orchestrate(app.state.engine, run_id, submit))
-    app.state.background.add(job)
-    job.add_done_callback(app.state.background.discard)
+    request.app.state.supervisor.start(run_id)
 
 
 @router.post("/runs", status_code=201, dependencies=TOKEN_REQUIRED,

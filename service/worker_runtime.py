@@ -1,0 +1,88 @@
+"""Many episodes per worker process: one asyncio loop, in a daemon thread, runs every episode
+of the process; Celery's thread pool hands episodes to it and waits on their futures.
+
+Episodes spend their time waiting on inference and sandboxes, so one loop keeps hundreds in
+flight on a core. The loop owns one database engine (one connection pool) and the caches
+(tokenizers, environments) that all episodes of the process share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from concurrent.futures import Future
+
+from service.config import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class EpisodeRuntime:
+    def __init__(self, settings: Settings, pool_size: int = 16):
+        self.settings = settings
+        self.pool_size = pool_size
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="swerve-episodes", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        from service.db import make_async_engine
+
+        asyncio.set_event_loop(self.loop)
+        url = self.settings.resolved_database_url
+        pool = {} if url.startswith("sqlite") else {"pool_size": self.pool_size, "max_overflow": self.pool_size}
+        self.engine = make_async_engine(url, **pool)
+        self._ready.set()
+        self.loop.run_forever()
+
+    def submit(self, episode_id: uuid.UUID) -> Future:
+        from service.rollout import execute_episode
+
+        return asyncio.run_coroutine_threadsafe(execute_episode(self.engine, self.settings, episode_id), self.loop)
+
+    def run(self, episode_id: uuid.UUID) -> str | None:
+        """Run one episode on the shared loop; blocks the calling (pool) thread until it ends."""
+        return self.submit(episode_id).result()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            from service.rollout import close_fleets
+
+            await close_fleets()
+            await self.engine.dispose()
+
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout_s)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+
+
+_runtime: EpisodeRuntime | None = None
+_lock = threading.Lock()
+
+
+def runtime(settings: Settings | None = None) -> EpisodeRuntime:
+    """This process's runtime, started on first use."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            from service.config import get_settings
+
+            _runtime = EpisodeRuntime(settings or get_settings())
+        return _runtime
+
+
+def close_runtime() -> None:
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            _runtime.close()
+            _runtime = None
