@@ -81,6 +81,60 @@ def serve(
 
 
 @app.command()
+def run(
+    suite: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="SWE-bench suite (JSONL or JSON).")] = None,
+    policy: Annotated[str, typer.Option(help="vllm: the tiny model on a local vLLM CPU server; oracle: gold patches.")] = "vllm",
+    model: Annotated[Path | None, typer.Option(exists=True, file_okay=False, help="Model folder (default: a tiny Qwen3).")] = None,
+    endpoint: Annotated[list[str] | None, typer.Option(help="A vLLM server already serving --model (repeatable); none: start one.")] = None,
+    samples: Annotated[int, typer.Option(min=1, help="Episodes per task (group size).")] = 2,
+    concurrency: Annotated[int, typer.Option(min=1, help="Episodes in flight.")] = 8,
+    max_turns: Annotated[int, typer.Option(min=1, help="Model calls per episode.")] = 8,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens sampled per turn at most.")] = 256,
+    task: Annotated[list[str] | None, typer.Option(help="Only these instance ids (repeatable).")] = None,
+    host: Annotated[str, typer.Option(help="Address of the API and UI.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port of the API and UI.")] = 8000,
+    vllm_port: Annotated[int, typer.Option(help="Port of the local vLLM server.")] = 8100,
+    serve: Annotated[bool, typer.Option(help="Keep serving the API and UI after the run.")] = True,
+) -> None:
+    """Do the whole job in one process: database, suite, model, vLLM, API, worker; run the
+    suite with a live progress bar, print a summary, then keep serving."""
+    from rich.console import Console
+
+    from service.embedded import EXAMPLE_SUITE, EmbeddedOptions, run_embedded
+    from service.log import setup_logging
+
+    settings = _settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = settings.data_dir / "swerve-run.log"
+    setup_logging(settings.log_format, level="INFO", path=log_path)
+    typer.echo(f"log: {log_path}")
+    if policy not in ("vllm", "oracle"):
+        typer.secho(f"--policy: must be vllm or oracle, got {policy!r}", fg="red", err=True)
+        raise typer.Exit(2)
+    if settings.local_mode and not _is_loopback(host):
+        typer.secho(f"SWERVE_API_TOKEN is unset: refusing to listen on {host}.", fg="red", err=True)
+        raise typer.Exit(2)
+    if endpoint and model is None:
+        typer.secho("--endpoint: give --model too (the folder with the tokenizer the servers use)", fg="red", err=True)
+        raise typer.Exit(2)
+    opts = EmbeddedOptions(suite=suite or EXAMPLE_SUITE, policy=policy, model=model, samples_per_task=samples,
+                           endpoints=tuple(endpoint or ()),
+                           concurrency=concurrency, max_turns=max_turns, max_tokens=max_tokens, host=host,
+                           port=port, vllm_port=vllm_port, serve_after=serve, instance_ids=tuple(task or ()))
+    from service.runs import RunError
+
+    try:
+        status = asyncio.run(run_embedded(settings, opts, Console()))
+    except KeyboardInterrupt:
+        return
+    except (RuntimeError, TimeoutError, RunError) as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(1) from e
+    if status != "finished":
+        raise typer.Exit(1)
+
+
+@app.command()
 def worker(
     concurrency: Annotated[int, typer.Option(min=1, help="Episodes in flight in this process (they share one event loop).")] = 64,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",

@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     """SQLAlchemy URL. Empty means an SQLite file `swerve.db` under `data_dir`."""
     broker_url: str = "memory://"
     """Celery broker. `memory://` runs an in-process worker; `redis://host:6379/0` in a cluster."""
+    embedded_worker: bool = True
+    """With a memory:// broker, the API process runs the Celery worker itself (embedded mode)."""
+    embedded_worker_concurrency: int = Field(64, ge=1)
+    """Episodes in flight in the embedded worker."""
     api_token: str | None = None
     """Bearer token for mutating API calls. None: local mode, the service binds 127.0.0.1 only."""
     models_dir: Path | None = None

@@ -18,8 +18,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler()
+def setup_logging(fmt: str = "text", level: int | str = logging.INFO, path=None) -> None:
+    """Log to stderr, or to the file `path` (appended)."""
+    handler = logging.StreamHandler() if path is None else logging.FileHandler(path)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -114,13 +114,8 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
                 status="finished", finished_at=utcnow(), owner=None, gate=None))
             return "finished"
         else:
-            gate = await _gate(conn, run_id, cfg, fleet_version)
-            query = (sa.select(Episode.id).where(Episode.run_id == run_id, Episode.status == "pending")
-                     .order_by(Episode.group_id, Episode.sample_index).limit(max(0, cfg.concurrency - in_flight)))
-            if gate is not None:  # only the rest of groups already started: a group is sampled together
-                query = query.where(Episode.group_id.in_(sa.select(Episode.group_id).where(
-                    Episode.run_id == run_id, Episode.status != "pending")))
-            starts = list((await conn.execute(query)).scalars().all())
+            gate, new_groups = await _gate(conn, run_id, cfg, fleet_version)
+            starts = await _starts(conn, run_id, max(0, cfg.concurrency - in_flight), new_groups)
             if starts:
                 await conn.execute(sa.update(Episode).where(Episode.id.in_(starts))
                                    .values(status="queued", queued_at=utcnow()))
@@ -142,28 +137,48 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
     return final
 
 
-async def _gate(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, fleet_version: int | None) -> str | None:
-    """Why no new group may start now (None: they may). Trainer version: the newest published
-    policy. A new group is held back when the fleet serves a version more than
-    max_off_policy_steps behind it, or, with `groups_per_step` set, when so many of the run's
-    groups already wait to be trained on that the new one would be consumed more than
-    max_off_policy_steps steps from now."""
+async def _starts(conn: AsyncConnection, run_id: uuid.UUID, room: int, new_groups: int | None) -> list[uuid.UUID]:
+    """Up to `room` pending episodes to start: the rest of groups already started first (a
+    group is sampled together), then those of at most `new_groups` new groups (None: any)."""
+    if room <= 0:
+        return []
+    started = sa.select(Episode.group_id).where(Episode.run_id == run_id, Episode.status != "pending")
+    pending = sa.select(Episode.id).where(Episode.run_id == run_id, Episode.status == "pending")
+    starts = list((await conn.execute(pending.where(Episode.group_id.in_(started))
+                                      .order_by(Episode.group_id, Episode.sample_index).limit(room))).scalars())
+    room -= len(starts)
+    if room > 0 and new_groups != 0:
+        fresh = sa.select(Group.id).where(Group.run_id == run_id, Group.status == "pending",
+                                          Group.id.not_in(started)).order_by(Group.id).limit(new_groups or room)
+        starts += (await conn.execute(pending.where(Episode.group_id.in_(fresh.scalar_subquery()))
+                                      .order_by(Episode.group_id, Episode.sample_index).limit(room))).scalars()
+    return starts
+
+
+async def _gate(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig,
+                fleet_version: int | None) -> tuple[str | None, int | None]:  # fmt: skip
+    """How many new groups may start now (None: no limit), and why not when none may.
+    Trainer version: the newest published policy. New groups are held back while the fleet
+    serves a version more than max_off_policy_steps behind it, and, with `groups_per_step`
+    set, beyond (max_off_policy_steps + 1) x groups_per_step of the run's groups started and
+    not yet trained on (a group started later would be consumed too many steps from now)."""
     if cfg.policy.type != "vllm":
-        return None  # scripted policies sample nothing to be off-policy from
+        return None, None  # scripted policies sample nothing to be off-policy from
     trainer = await conn.scalar(sa.select(sa.func.max(Policy.version))) or 0
     if fleet_version is not None and trainer - fleet_version > cfg.max_off_policy_steps:
         return (f"fleet serves policy version {fleet_version}, trainer is at {trainer} "
-                f"(max_off_policy_steps={cfg.max_off_policy_steps}): waiting for the fleet to reload")
-    if cfg.groups_per_step is not None:
-        started = sa.select(Episode.group_id).where(Episode.run_id == run_id, Episode.status != "pending")
-        waiting = await conn.scalar(sa.select(sa.func.count()).select_from(Group).where(
-            Group.run_id == run_id, sa.or_(Group.status.in_(("ready", "claimed")),
-                                           sa.and_(Group.status == "pending", Group.id.in_(started)))))
-        limit = (cfg.max_off_policy_steps + 1) * cfg.groups_per_step
-        if waiting >= limit:
-            return (f"{waiting} groups started and not yet trained on, the most that "
-                    f"(max_off_policy_steps + 1) × groups_per_step = {limit} allows: waiting for the trainer")
-    return None
+                f"(max_off_policy_steps={cfg.max_off_policy_steps}): waiting for the fleet to reload"), 0
+    if cfg.groups_per_step is None:
+        return None, None
+    started = sa.select(Episode.group_id).where(Episode.run_id == run_id, Episode.status != "pending")
+    waiting = await conn.scalar(sa.select(sa.func.count()).select_from(Group).where(
+        Group.run_id == run_id, sa.or_(Group.status.in_(("ready", "claimed")),
+                                       sa.and_(Group.status == "pending", Group.id.in_(started)))))
+    limit = (cfg.max_off_policy_steps + 1) * cfg.groups_per_step
+    if waiting >= limit:
+        return (f"{waiting} groups started and not yet trained on, the most that "
+                f"(max_off_policy_steps + 1) x groups_per_step = {limit} allows: waiting for the trainer"), 0
+    return None, limit - waiting
 
 
 async def _lost(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, all_queued: bool) -> list[uuid.UUID]:

@@ -101,7 +101,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def make_settings(database_url: str, **overrides):
-    return load_settings(database_url=database_url, api_token=TOKEN, **overrides)
+    """Settings for an app under test; no in-process worker unless a test asks for one."""
+    return load_settings(database_url=database_url, api_token=TOKEN, **({"embedded_worker": False} | overrides))
 
 
 @pytest.fixture
@@ -139,3 +140,6 @@ def count_rows(url: str) -> dict[str, int]:
         counts = {t: conn.execute(sa.text(f"SELECT count(*) FROM {t}")).scalar() for t in TABLES}
     engine.dispose()
     return counts
+
+
+from tests.vllm_fixtures import vllm_fleet  # noqa: E402, F401 - one fleet per session, for every module

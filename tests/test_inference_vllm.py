@@ -10,7 +10,6 @@ import torch
 
 from service.inference import ContextExceeded, FleetConfig, ProviderError, SamplingParams, VLLMClient
 from tests.servers import TcpProxy
-from tests.vllm_fixtures import vllm_fleet  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -187,3 +187,55 @@ async def test_sigkilled_worker_loses_nothing(migrated_pg_url, tmp_path):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=60)
+
+
+async def wait_for_run(client, run_id: str, timeout_s: float = 300.0, log: Path | None = None) -> dict:
+    for _ in range(int(timeout_s * 4)):
+        state = (await client.get(f"/api/v1/runs/{run_id}")).json()
+        if state["status"] not in ("pending", "running", "cancelling"):
+            return state
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"run {run_id} still {state['status']} after {timeout_s} s: {state}; "
+                         f"{log.read_text()[-3000:] if log else ''}")
+
+
+async def check_run_trajectories(client, run_id: str, model_dir: Path, version: int) -> list[dict]:
+    from tests.trajectories import check_trajectory
+
+    episodes = (await client.get(f"/api/v1/runs/{run_id}/episodes")).json()["items"]
+    for e in episodes:
+        assert e["trainable"] is True and e["status"] in ("max_turns", "submitted", "context_exhausted"), e
+        assert (e["policy_version_min"], e["policy_version_max"]) == (version, version)
+        detail = (await client.get(f"/api/v1/episodes/{e['id']}", params={"arrays": "json"})).json()
+        assert all(t["policy_version"] == version for t in detail["turns"])
+        task = (await client.get(f"/api/v1/tasks/{e['task_id']}")).json()
+        check_trajectory(detail, task["problem_statement"], model_dir)
+    return episodes
+
+
+@pytest.mark.vllm
+async def test_tiny_model_run_on_vllm_records_the_context_it_sampled(worker, vllm_fleet):
+    """The tiny model on a real vLLM server, through Redis, a worker process and PostgreSQL:
+    each turn's tokens re-render from the stored messages, and every sampled token's logprob
+    recomputed by transformers over the concatenated turns equals what vLLM reported."""
+    from service.vllm_server import VLLMServer
+
+    db_url, data_dir = worker
+    model_dir = vllm_fleet.models["dense"]
+    url = vllm_fleet.url("dense-a")
+    version = int(VLLMServer.served_version(vllm_fleet.servers["dense-a"]) or 0)
+    body = "\n".join(SUITE.read_text().splitlines()[:2]) + "\n"
+    async with client_for(make_settings(db_url, broker_url=BROKER, data_dir=data_dir)) as client:
+        suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
+                                   headers={"Content-Type": "application/x-ndjson", **auth()})).json()
+        run = await client.post("/api/v1/runs", headers=auth(), json={
+            "suite_id": suite["id"], "samples_per_task": 2, "concurrency": 4,
+            "policy": {"type": "vllm", "endpoints": [url], "model": "tiny", "tokenizer": str(model_dir)},
+            "agent": {"max_turns": 4, "sampling": {"max_tokens": 48}}})
+        assert run.status_code == 201, run.text
+        state = await wait_for_run(client, run.json()["id"], log=data_dir / "worker.log")
+        assert state["status"] == "finished" and sum(state["episodes"].values()) == 4, state
+        assert state["graded"] == 4 and state["tokens"] > 0
+        episodes = await check_run_trajectories(client, run.json()["id"], model_dir, version)
+        assert len(episodes) == 4
+        assert (await client.get("/api/v1/buffer")).json()["ready"] == 2

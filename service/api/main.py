@@ -6,7 +6,7 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 
 from service import db
 from service.api.routes import health, runs, suites, tasks
@@ -27,10 +27,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         from service.celery_app import make_celery
 
         app.state.celery = make_celery(settings)
+        app.state.worker = None
+        if settings.broker_url.startswith("memory://") and settings.embedded_worker:
+            from service.embedded import InProcessWorker
+
+            app.state.worker = InProcessWorker(app.state.celery, settings, settings.embedded_worker_concurrency)
         app.state.supervisor = _supervisor(app, settings)
         app.state.supervisor.run_in_background()  # runs left active by a dead process are taken over
         yield
         await app.state.supervisor.close()
+        if app.state.worker is not None:
+            app.state.worker.stop()
         for job in list(app.state.background):
             job.cancel()
         await app.state.engine.dispose()
@@ -41,6 +48,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, suites, tasks, runs):
         app.include_router(module.router, prefix="/api/v1")
     _add_error_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    async def home() -> RedirectResponse:
+        return RedirectResponse("/docs")
+
     return app
 
 

@@ -1,0 +1,252 @@
+"""Embedded mode: the whole service in one process.
+
+`InProcessWorker` consumes Celery's in-memory transport in a thread (any app configured with
+`memory://` starts one, so `swerve serve` works without Redis). `run_embedded` is `swerve run`:
+database, suite, tiny model, a local vLLM CPU server, the API with its orchestrators and an
+in-process worker, a live progress bar, a summary table; then it keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from celery import Celery
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from service.config import Settings
+
+logger = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE_SUITE = REPO / "envs" / "example_suite" / "suite.jsonl"
+
+
+class InProcessWorker:
+    """A Celery worker on a thread of this process; its pool threads hand episodes to the
+    process's episode loop (service.worker_runtime)."""
+
+    def __init__(self, celery: Celery, settings: Settings, concurrency: int = 64):
+        from celery.worker import WorkController
+
+        from service.worker_runtime import runtime
+
+        runtime(settings)
+        celery.finalize()
+        started = threading.Event()
+
+        class Controller(WorkController):
+            def on_consumer_ready(self, consumer) -> None:
+                started.set()
+
+        self.worker = Controller(app=celery, concurrency=concurrency, pool="threads", queues=["swerve"],
+                                 hostname=f"embedded-{uuid.uuid4().hex[:6]}@localhost", loglevel="WARNING",
+                                 without_heartbeat=True, without_mingle=True, without_gossip=True)
+        self.thread = threading.Thread(target=self.worker.start, name="celery-embedded", daemon=True)
+        self.thread.start()
+        if not started.wait(60):
+            raise RuntimeError("the in-process Celery worker did not start within 60 s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        from service.worker_runtime import close_runtime
+
+        close_runtime()  # episodes in flight stop (sandboxes closed); a restart picks them up again
+        self.worker.stop(in_sighandler=False)
+        self.thread.join(timeout_s)
+
+
+@dataclass
+class EmbeddedOptions:
+    suite: Path = EXAMPLE_SUITE
+    policy: str = "vllm"
+    """vllm: the tiny model on a local vLLM CPU server; oracle: gold patches (no model)."""
+    endpoints: tuple[str, ...] = ()
+    """vLLM servers already running (serving `model`): no local server is started."""
+    model: Path | None = None
+    """Model folder; None: a tiny Qwen3 created under the models folder."""
+    samples_per_task: int = 2
+    concurrency: int = 8
+    max_turns: int = 8
+    max_tokens: int = 256
+    host: str = "127.0.0.1"
+    port: int = 8000
+    vllm_port: int = 8100
+    serve_after: bool = True
+    instance_ids: tuple[str, ...] = ()
+    """Only these tasks (empty: all)."""
+
+
+async def progress_counts(engine: AsyncEngine, run_id: uuid.UUID) -> dict:
+    from service.tables import Episode, Run
+
+    async with engine.connect() as conn:
+        status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+        counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count())
+                                          .where(Episode.run_id == run_id).group_by(Episode.status))).all())
+        agg = (await conn.execute(sa.select(
+            sa.func.avg(Episode.reward), sa.func.count(Episode.reward),
+            sa.func.coalesce(sa.func.sum(Episode.input_tokens), 0), sa.func.coalesce(sa.func.sum(Episode.output_tokens), 0),
+            sa.func.coalesce(sa.func.sum(Episode.n_turns), 0)).where(Episode.run_id == run_id))).one()  # fmt: skip
+    return {"status": status, "episodes": counts, "reward_mean": agg[0], "graded": agg[1],
+            "input_tokens": agg[2], "output_tokens": agg[3], "turns": agg[4]}
+
+
+def summary_table(run_id: uuid.UUID, state: dict, by_task: list[tuple], elapsed_s: float):
+    from rich.table import Table
+
+    from service.tables import EPISODE_FINAL_STATUSES
+
+    total = sum(state["episodes"].values())
+    final = sum(n for s, n in state["episodes"].items() if s in EPISODE_FINAL_STATUSES)
+    table = Table(title=f"run {run_id}: {state['status']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("episodes", f"{final}/{total} final")
+    for status, n in sorted(state["episodes"].items()):
+        table.add_row(f"  {status}", str(n))
+    reward = state["reward_mean"]
+    table.add_row("reward mean", "-" if reward is None else f"{reward:.3f} over {state['graded']} graded")
+    if by_task:
+        table.add_row("pass@1", f"{sum(r[2] for r in by_task) / len(by_task):.3f} over {len(by_task)} tasks")
+        table.add_row("pass@k", f"{sum(1 for r in by_task if r[1] == 1.0) / len(by_task):.3f}")
+    table.add_row("turns", f"{state['turns']} ({state['turns'] / max(final, 1):.1f} per episode)")
+    table.add_row("tokens", f"{state['input_tokens']:,} in, {state['output_tokens']:,} sampled")
+    table.add_row("time", f"{elapsed_s:.1f} s ({final / max(elapsed_s, 1e-9):.2f} episodes/s)")
+    return table
+
+
+async def _by_task(engine: AsyncEngine, run_id: uuid.UUID) -> list[tuple]:
+    from service.tables import Episode
+
+    async with engine.connect() as conn:
+        return list((await conn.execute(sa.select(Episode.task_id, sa.func.max(Episode.reward), sa.func.avg(Episode.reward))
+                                        .where(Episode.run_id == run_id, Episode.reward.is_not(None))
+                                        .group_by(Episode.task_id))).all())
+
+
+async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> str:
+    """Returns the run's final status (after serving, when serve_after)."""
+    import uvicorn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from service import db
+    from service.api.main import create_app
+    from service.runs import RunConfig, create_run
+    from service.tables import EPISODE_FINAL_STATUSES
+
+    url = settings.resolved_database_url
+    db.upgrade(url)
+    suite_id = await _import_suite(settings, opts.suite, console)
+    model = opts.model or _tiny_model(settings, console)
+    vllm = None
+    endpoints = list(opts.endpoints)
+    if opts.policy == "vllm" and not endpoints:
+        vllm = _start_vllm(settings, model, opts.vllm_port, console)
+        endpoints = [vllm.url]
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_config=None, log_level="warning"))
+    serving = asyncio.get_running_loop().create_task(server.serve())
+    try:
+        while not server.started:
+            if serving.done():
+                await serving
+                raise RuntimeError(f"the API could not listen on {opts.host}:{opts.port}")
+            await asyncio.sleep(0.05)
+        policy = ({"type": "vllm", "endpoints": endpoints, "tokenizer": str(model)} if opts.policy == "vllm"
+                  else {"type": "oracle", "tokenizer": str(model)})  # fmt: skip
+        cfg = RunConfig.model_validate({
+            "suite_id": suite_id, "name": f"embedded {opts.suite.name}", "policy": policy,
+            "samples_per_task": opts.samples_per_task, "concurrency": opts.concurrency,
+            "agent": {"max_turns": opts.max_turns, "sampling": {"max_tokens": opts.max_tokens}},
+        } | ({"instance_ids": list(opts.instance_ids)} if opts.instance_ids else {}))  # fmt: skip
+        engine: AsyncEngine = app.state.engine
+        run_id = await create_run(engine, cfg)
+        app.state.supervisor.start(run_id)
+        console.print(f"run {run_id}: {opts.suite.name}, policy {opts.policy}, "
+                      f"{opts.samples_per_task} samples per task, {opts.concurrency} in flight")
+        started = time.monotonic()
+        columns = (TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[detail]}"))
+        with Progress(*columns, console=console) as bar:
+            job = bar.add_task("episodes", total=None, detail="")
+            while True:
+                state = await progress_counts(engine, run_id)
+                total = sum(state["episodes"].values())
+                final = sum(n for s, n in state["episodes"].items() if s in EPISODE_FINAL_STATUSES)
+                reward = "-" if state["reward_mean"] is None else f"{state['reward_mean']:.2f}"
+                detail = (f"running {state['episodes'].get('running', 0)}  reward {reward}  "
+                          f"tokens {state['input_tokens'] + state['output_tokens']:,}")
+                bar.update(job, total=total, completed=final, detail=detail)
+                if state["status"] not in ("pending", "running", "cancelling"):
+                    break
+                await asyncio.sleep(0.5)
+        console.print(summary_table(run_id, state, await _by_task(engine, run_id), time.monotonic() - started))
+        if opts.serve_after:
+            console.print(f"the service stays up: http://{opts.host}:{opts.port}/  "
+                          f"(API docs: http://{opts.host}:{opts.port}/docs); Ctrl-C stops it")
+            await serving
+        return state["status"]
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(serving, 60)
+        except (asyncio.TimeoutError, asyncio.CancelledError, SystemExit):
+            pass
+        if vllm is not None:
+            vllm.stop()
+
+
+async def _import_suite(settings: Settings, path: Path, console) -> uuid.UUID:
+    """The suite named after the file (its folder for a plain suite.jsonl), imported on first use."""
+    from service import suites
+    from service.db import make_async_engine
+    from service.tables import Suite
+
+    name = path.parent.name if path.stem == "suite" else path.stem
+    engine = make_async_engine(settings.resolved_database_url)
+    try:
+        async with engine.connect() as conn:
+            existing = await conn.scalar(sa.select(Suite.id).where(Suite.name == name, Suite.deleted_at.is_(None)))
+        if existing is not None:
+            return existing
+        parse = suites.parser_for_file(str(path))
+        result = await suites.import_suite(engine, name, parse(suites.file_chunks(str(path))),
+                                           max_listed_errors=settings.max_listed_errors)
+        console.print(f"imported suite {result.name!r}: {result.task_count} tasks")
+        return result.suite_id
+    finally:
+        await engine.dispose()
+
+
+def _tiny_model(settings: Settings, console) -> Path:
+    from service.tiny_model import init_tiny
+
+    folder = (settings.resolved_models_dir / "tiny-qwen3").resolve()
+    if not (folder / "config.json").exists():
+        init_tiny(folder)
+        console.print(f"created the tiny Qwen3 model in {folder}")
+    return folder
+
+
+def _start_vllm(settings: Settings, model: Path, port: int, console):
+    from service.vllm_server import VLLMServer, vllm_python
+
+    if not Path(vllm_python()).exists():
+        raise RuntimeError(f"vLLM's Python is not at {vllm_python()}: run `make vllm` (or set "
+                           "SWERVE_VLLM_PYTHON), or use `swerve run --policy oracle`")
+    log = (settings.data_dir / f"vllm-{port}.log").resolve()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    server = VLLMServer(model, port, max_model_len=8192, log_path=log).start()
+    with console.status(f"starting vLLM (CPU) on {server.url} with {model.name} (about a minute; log: {log})"):
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+    console.print(f"vLLM ready on {server.url}")
+    return server

@@ -1,0 +1,216 @@
+"""Orchestrator and episode-start logic on both databases, without workers: one owner per run,
+staleness gating, groups started together, attempts fenced against zombie workers."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from service import db
+from service.agent import TurnRecord
+from service.buffer import Buffer, Superseded
+from service.orchestrator import Supervisor, _tick, orchestrate
+from service.rollout import _start
+from service.runs import RunConfig, create_run
+from service.tables import Episode, Group, Policy, Run, Suite, Task, utcnow
+
+
+@pytest.fixture
+async def engine(db_url):
+    engine = db.make_async_engine(db_url)
+    yield engine
+    await engine.dispose()
+
+
+async def make_suite(engine, n_tasks: int = 3) -> uuid.UUID:
+    suite_id = uuid.uuid4()
+    async with engine.begin() as conn:
+        await conn.execute(sa.insert(Suite).values(id=suite_id, name=f"s-{suite_id.hex[:6]}", task_count=n_tasks,
+                                                   created_at=utcnow()))
+        await conn.execute(sa.insert(Task), [{
+            "id": uuid.uuid4(), "suite_id": suite_id, "position": i, "instance_id": f"t-{i}", "repo": "r/r",
+            "base_commit": "0" * 40, "problem_statement": "p", "patch": "", "test_patch": "",
+            "fail_to_pass": [], "pass_to_pass": [], "log_parser": "pytest"} for i in range(n_tasks)])
+    return suite_id
+
+
+async def make_run(engine, policy: str = "vllm", **overrides) -> uuid.UUID:
+    suite_id = await make_suite(engine)
+    pol = {"type": "vllm", "endpoints": ["http://127.0.0.1:9"], "tokenizer": "/nonexistent"} if policy == "vllm" \
+        else {"type": "oracle", "tokenizer": "/nonexistent"}
+    cfg = RunConfig.model_validate({"suite_id": suite_id, "policy": pol, "samples_per_task": 2,
+                                    "concurrency": 100} | overrides)
+    return await create_run(engine, cfg)
+
+
+async def config(engine, run_id) -> RunConfig:
+    async with engine.connect() as conn:
+        return RunConfig.model_validate(await conn.scalar(sa.select(Run.config).where(Run.id == run_id)))
+
+
+async def statuses(engine, run_id) -> dict[str, int]:
+    async with engine.connect() as conn:
+        rows = (await conn.execute(sa.select(Episode.status, sa.func.count()).where(Episode.run_id == run_id)
+                                   .group_by(Episode.status))).all()
+    return dict(rows)
+
+
+async def publish(engine, *versions: int) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(sa.insert(Policy), [{"version": v, "created_at": utcnow()} for v in versions])
+
+
+async def test_one_owner_per_run_and_takeover_after_the_lease(engine):
+    run_id = await make_run(engine, policy="oracle")
+    cfg = await config(engine, run_id)
+    sent_a, sent_b = [], []
+    assert await _tick(engine, run_id, cfg, sent_a.append, "a", 15.0, None) is None
+    assert len(sent_a) == 6
+    # b cannot take the run while a's lease is fresh
+    assert await _tick(engine, run_id, cfg, sent_b.append, "b", 15.0, None) == "not owner"
+    assert await orchestrate(engine, run_id, sent_b.append, owner="b", poll_s=0.01) is None
+    assert sent_b == []
+    async with engine.begin() as conn:  # a dies: its lease lapses
+        await conn.execute(sa.update(Run).values(owner_heartbeat_at=utcnow() - timedelta(seconds=60)))
+    assert await _tick(engine, run_id, cfg, sent_b.append, "b", 15.0, None, takeover=True) is None
+    # the new owner sends every queued episode again (a's messages may be lost); duplicates are harmless
+    assert sorted(sent_b) == sorted(sent_a)
+    assert await _tick(engine, run_id, cfg, sent_a.append, "a", 15.0, None) == "not owner"
+    async with engine.connect() as conn:
+        assert await conn.scalar(sa.select(Run.owner).where(Run.id == run_id)) == "b"
+
+
+async def test_supervisor_takes_over_orphaned_runs_and_releases_on_close(engine):
+    run_id = await make_run(engine, policy="oracle")
+    async with engine.begin() as conn:
+        await conn.execute(sa.update(Run).values(owner="dead:1:x", owner_heartbeat_at=utcnow() - timedelta(seconds=60)))
+    sent = []
+    supervisor = Supervisor(engine, sent.append, owner="me", poll_s=0.01)
+    await supervisor.scan()
+    for _ in range(200):
+        if len(sent) >= 6:
+            break
+        import asyncio
+
+        await asyncio.sleep(0.01)
+    assert len(sent) == 6
+    await supervisor.close()
+    async with engine.connect() as conn:
+        assert await conn.scalar(sa.select(Run.owner).where(Run.id == run_id)) is None
+
+
+async def test_fleet_behind_the_trainer_holds_back_new_groups(engine):
+    run_id = await make_run(engine, max_off_policy_steps=2, concurrency=1)
+    cfg = await config(engine, run_id)
+    await publish(engine, 0, 1, 2, 3, 4, 5)
+    sent = []
+    assert await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=2) is None
+    assert sent == []  # trainer at 5, fleet at 2: 3 > 2 steps behind
+    async with engine.connect() as conn:
+        gate = await conn.scalar(sa.select(Run.gate).where(Run.id == run_id))
+    assert "fleet serves policy version 2, trainer is at 5" in gate
+    assert await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=3) is None
+    assert len(sent) == 1  # caught up to within 2 steps: launching resumes
+    async with engine.connect() as conn:
+        assert await conn.scalar(sa.select(Run.gate).where(Run.id == run_id)) is None
+
+
+async def test_gated_run_still_completes_started_groups(engine):
+    run_id = await make_run(engine, max_off_policy_steps=0, concurrency=1)
+    cfg = await config(engine, run_id)
+    sent = []
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=0)
+    assert len(sent) == 1
+    await publish(engine, 0, 1)  # the trainer moves on: new groups wait, the started one completes
+    async with engine.begin() as conn:
+        await conn.execute(sa.update(Episode).where(Episode.id == uuid.UUID(sent[0])).values(status="submitted"))
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=0)
+    async with engine.connect() as conn:
+        groups = (await conn.execute(sa.select(Episode.group_id).where(
+            Episode.id.in_([uuid.UUID(s) for s in sent])))).scalars().all()
+    assert len(sent) == 2 and len(set(groups)) == 1
+
+
+async def test_groups_per_step_bounds_the_backlog(engine):
+    run_id = await make_run(engine, max_off_policy_steps=0, groups_per_step=1)
+    cfg = await config(engine, run_id)
+    sent = []
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=0)
+    assert len(sent) == 2  # one group (both samples); (0 + 1) x 1 group may wait for the trainer
+    buffer = Buffer(engine)
+    for episode_id in sent:
+        await buffer.finish_episode(uuid.UUID(episode_id), status="submitted", policy_version_min=0)
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=0)
+    assert len(sent) == 2  # its group is ready but not trained on yet
+    claim = await buffer.claim(1, trainer_step=0, max_staleness=0)
+    await buffer.commit(claim, trainer_step=0)
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=0)
+    assert len(sent) == 4
+
+
+async def test_scripted_runs_are_never_gated(engine):
+    run_id = await make_run(engine, policy="oracle", max_off_policy_steps=0, groups_per_step=1)
+    await publish(engine, 0, 1, 2)
+    sent = []
+    await _tick(engine, run_id, await config(engine, run_id), sent.append, "o", 15.0, fleet_version=None)
+    assert len(sent) == 6
+
+
+def turn(idx: int) -> TurnRecord:
+    return TurnRecord(idx=idx, segment=0, input_ids=[1, 2], output_ids=[3], output_logprobs=[-0.1],
+                      policy_version=0, policy_version_end=0, finish_reason="stop", text="x", tool_call=None,
+                      observation="o", generation_s=0.0, tool_s=0.0)
+
+
+async def test_a_zombie_attempt_can_write_nothing(engine):
+    run_id = await make_run(engine, policy="oracle")
+    async with engine.begin() as conn:
+        episode_id = await conn.scalar(sa.select(Episode.id).where(Episode.run_id == run_id).limit(1))
+        await conn.execute(sa.update(Episode).where(Episode.id == episode_id).values(status="queued"))
+    _, _, first = await _start(engine, episode_id)
+    buffer = Buffer(engine)
+    await buffer.append_turn(episode_id, turn(0), attempt=first)
+    assert await _start(engine, episode_id) is None  # a duplicate message: the live attempt keeps it
+    async with engine.begin() as conn:  # the worker went quiet: its heartbeat is stale
+        await conn.execute(sa.update(Episode).where(Episode.id == episode_id)
+                           .values(heartbeat_at=utcnow() - timedelta(hours=1)))
+    _, _, second = await _start(engine, episode_id)
+    assert second == first + 1
+    with pytest.raises(Superseded):  # the old worker wakes up and tries to go on
+        await buffer.append_turn(episode_id, turn(1), attempt=first)
+    assert not await buffer.finish_episode(episode_id, attempt=first, status="submitted")
+    await buffer.append_turn(episode_id, turn(0), attempt=second)
+    assert await buffer.finish_episode(episode_id, attempt=second, status="submitted")
+    async with engine.connect() as conn:
+        from service.tables import Turn
+
+        turns = (await conn.execute(sa.select(Turn.idx).where(Turn.episode_id == episode_id))).scalars().all()
+        group = await conn.scalar(sa.select(Group.status).join(Episode, Episode.group_id == Group.id)
+                                  .where(Episode.id == episode_id))
+    assert turns == [0] and group == "pending"  # the other sample of the group is not final
+
+
+async def test_lost_workers_episodes_go_back_to_queued_as_a_new_attempt(engine):
+    run_id = await make_run(engine, policy="oracle", worker_timeout_s=5)
+    cfg = await config(engine, run_id)
+    sent = []
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, None)
+    episode_id = uuid.UUID(sent[0])
+    _, _, attempt = await _start(engine, episode_id)
+    await Buffer(engine).append_turn(episode_id, turn(0), attempt=attempt)
+    async with engine.begin() as conn:
+        await conn.execute(sa.update(Episode).where(Episode.id == episode_id)
+                           .values(heartbeat_at=utcnow() - timedelta(seconds=30)))
+    sent.clear()
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, None)
+    assert sent == [str(episode_id)]
+    async with engine.connect() as conn:
+        row = (await conn.execute(sa.select(Episode.status, Episode.attempt).where(Episode.id == episode_id))).one()
+        from service.tables import Turn
+
+        n_turns = await conn.scalar(sa.select(sa.func.count()).select_from(Turn).where(Turn.episode_id == episode_id))
+    assert (row.status, row.attempt, n_turns) == ("queued", attempt + 1, 0)
+    assert (await statuses(engine, run_id)) == {"queued": 6}
