@@ -27,6 +27,11 @@ class Superseded(Exception):
     may write nothing more."""
 
 
+class TurnsLost(Exception):
+    """Fewer turns are stored than the episode produced (turns are committed asynchronously
+    and the database crashed before they reached its disk): the attempt must start over."""
+
+
 class ClaimLost(Exception):
     """The claim's lease expired and its groups went back to the buffer (or to another trainer)."""
 
@@ -125,6 +130,11 @@ class Buffer:
             group_id = updated.scalar_one_or_none()
             if group_id is None:
                 return False
+            if fields.get("n_turns") is not None:
+                stored = await conn.scalar(sa.select(sa.func.count()).select_from(Turn)
+                                           .where(Turn.episode_id == episode_id))
+                if stored != fields["n_turns"]:
+                    raise TurnsLost(f"episode {episode_id}: {fields['n_turns']} turns produced, {stored} stored")
             await self._maybe_ready(conn, group_id)
         return True
 

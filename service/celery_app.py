@@ -5,14 +5,57 @@ Tasks carry ids only; trajectories go straight to the database, never through th
 
 from __future__ import annotations
 
+import logging
+
 from celery import Celery
+from kombu.transport import redis as kombu_redis
 
 from service.config import Settings, get_settings
+
+logger = logging.getLogger(__name__)
+
+
+class _QoS(kombu_redis.QoS):
+    def restore_unacked_once(self, stderr=None):
+        # kombu 5.7 fails here (and in ack/reject of deliveries made before) with AttributeError
+        # once the broker went away and the consumer dropped the connection: the worker dies
+        # instead of reconnecting.
+        # Giving the messages back is only an optimisation: the orchestrator sends again
+        # episodes that no worker started.
+        try:
+            return super().restore_unacked_once(stderr)
+        except Exception as e:  # noqa: BLE001 - see above
+            logger.warning("could not give unacknowledged messages back to the broker: %r", e)
+
+
+    def ack(self, delivery_tag):
+        try:
+            return super().ack(delivery_tag)
+        except AttributeError as e:  # a delivery of a connection lost since: nothing to remove
+            logger.warning("could not acknowledge a delivery of a lost broker connection: %r", e)
+
+    def reject(self, delivery_tag, requeue=False):
+        try:
+            return super().reject(delivery_tag, requeue=requeue)
+        except AttributeError as e:
+            logger.warning("could not reject a delivery of a lost broker connection: %r", e)
+
+
+class _Channel(kombu_redis.Channel):
+    QoS = _QoS
+
+
+class RedisTransport(kombu_redis.Transport):
+    """kombu's Redis transport, surviving a broker restart (see _QoS)."""
+
+    Channel = _Channel
 
 
 def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     app = Celery("swerve", broker=settings.broker_url, include=["service.tasks"])
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        app.conf.broker_transport = "service.celery_app:RedisTransport"
     app.conf.update(
         task_acks_late=True,  # a worker killed mid-episode leaves the task to be redelivered
         task_reject_on_worker_lost=True,

@@ -22,7 +22,7 @@ from envs.grading import RewardError
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnv, SWEEnvConfig, grade, task_sandbox
 from sandboxes.base import SandboxError
 from service.agent import EpisodeResult, TokenRenderer, run_episode
-from service.buffer import Buffer, Superseded
+from service.buffer import Buffer, Superseded, TurnsLost
 from service.config import Settings
 from service.inference import FleetConfig, ProviderError, VLLMClient
 from service.policies import oracle, replay
@@ -97,6 +97,20 @@ def _aware(ts: datetime) -> datetime:
 
 
 async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUID) -> str | None:
+    """Run the episode to its final status (None: nothing to do, or a newer attempt owns it)."""
+    for _ in range(3):
+        try:
+            return await _execute(engine, settings, episode_id)
+        except TurnsLost as e:  # the database lost committed turns in a crash: start over
+            logger.warning("%s; starting the episode over", e)
+            async with engine.begin() as conn:
+                await conn.execute(sa.update(Episode).where(Episode.id == episode_id, Episode.status == "running")
+                                   .values(status="queued", attempt=Episode.attempt + 1, queued_at=utcnow()))
+                await conn.execute(sa.delete(Turn).where(Turn.episode_id == episode_id))
+    raise RuntimeError(f"episode {episode_id}: turns kept getting lost; the orchestrator will send it again")
+
+
+async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUID) -> str | None:
     started = await db_retry(lambda: _start(engine, episode_id), f"start of episode {episode_id}")
     if started is None:
         return None

@@ -74,8 +74,9 @@ class RunConfig(BaseModel):
     on, so a group cannot wait in the buffer for more than max_off_policy_steps steps."""
     worker_timeout_s: float = Field(60.0, gt=0)
     """A running episode whose heartbeat is this old lost its worker: it is restarted."""
-    queue_timeout_s: float = Field(1800.0, gt=0)
-    """A queued episode no worker started after this long is sent again (a lost message)."""
+    queue_timeout_s: float = Field(300.0, gt=0)
+    """A queued episode no worker started after this long is sent again (its message may have
+    been lost with a broker restart); a duplicate message is harmless."""
     max_consecutive_failures: int = Field(10, ge=1)
     """Stop the run after this many sandbox/provider errors in a row."""
     instance_ids: list[str] | None = None

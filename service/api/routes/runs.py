@@ -15,7 +15,7 @@ from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
 from service.records import decode_array
 from service.runs import RunConfig, RunError, create_run
 from service.schemas import HTTPValidationError, Problem
-from service.tables import RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn
 
 router = APIRouter(tags=["runs"])
 Limit = Annotated[int, Query(ge=1, le=500)]
@@ -57,6 +57,8 @@ async def progress(session, run: Run) -> dict:
         "pass_at_1": sum(r[2] for r in by_task) / len(by_task) if by_task else None,
         "pass_at_k": sum(1 for r in by_task if r[1] == 1.0) / len(by_task) if by_task else None,
         "tokens_per_s": agg[2] / elapsed if elapsed else None,
+        "episodes_per_s": sum(n for s, n in counts.items() if s in EPISODE_FINAL_STATUSES) / elapsed if elapsed else None,
+        "gate": run.gate, "owner": run.owner,
     }  # fmt: skip
 
 
