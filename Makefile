@@ -31,9 +31,8 @@ install: $(STAMP)
 db: $(STAMP)
 	$(BIN)/swerve db upgrade
 
-run: db
-	$(BIN)/swerve suite import envs/example_suite/suite.jsonl --name example --skip-existing
-	$(BIN)/swerve serve --host $(HOST) --port $(PORT)
+run: db $(VLLM_STAMP)
+	$(BIN)/swerve run --suite envs/example_suite/suite.jsonl --host $(HOST) --port $(PORT)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider
@@ -45,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/sandbox.py
+	$(BIN)/python bench/rollouts.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) var .pytest_cache .hypothesis

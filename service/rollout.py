@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import sqlalchemy as sa
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from envs.grading import RewardError
@@ -50,7 +51,7 @@ async def db_retry(make, what: str, budget_s: float = 300.0):
     while True:
         try:
             return await make()
-        except (OperationalError, InterfaceError) as e:
+        except (OperationalError, InterfaceError, PoolTimeout) as e:
             if time.monotonic() > deadline:
                 raise
             logger.warning("database unavailable writing %s (%s); retrying in %.1f s", what,
@@ -155,32 +156,79 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
 
 async def _supervised(engine: AsyncEngine, run_id: uuid.UUID, episode_id: uuid.UUID, attempt: int, work,
                       poll_s: float = 1.0) -> EpisodeResult:  # fmt: skip
-    """Run `work` with a heartbeat on the episode row every poll_s; stop it (closing its
-    sandbox) within poll_s of its run being cancelled or of a newer attempt taking over."""
+    """Run `work` under the loop's shared heartbeat; stop it (closing its sandbox) within
+    about poll_s of its run being cancelled or of a newer attempt taking over."""
+    beat = Heartbeat.of(engine, poll_s)
+    stop = beat.watch(episode_id, attempt, run_id)
     job = asyncio.ensure_future(work)
-    while not job.done():
-        await asyncio.wait([job], timeout=poll_s)
+    try:
+        await asyncio.wait([job, stop], return_when=asyncio.FIRST_COMPLETED)
         if job.done():
-            break
+            return job.result()
+        job.cancel()
         try:
-            async with engine.begin() as conn:
-                beat = await conn.execute(sa.update(Episode).where(
-                    Episode.id == episode_id, Episode.attempt == attempt, Episode.status == "running",
-                ).values(heartbeat_at=utcnow()))
-                status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
-        except OperationalError as e:  # the database is away: keep working, turns wait for it
-            logger.warning("heartbeat of episode %s failed: %s", episode_id, e)
-            continue
-        stop = "superseded" if beat.rowcount != 1 else (
-            "cancelled" if status not in RUN_ACTIVE_STATUSES or status == "cancelling" else None)
-        if stop is not None:
+            await job
+        except asyncio.CancelledError:
+            pass
+        return EpisodeResult(status=stop.result())
+    finally:
+        beat.unwatch(episode_id)
+        if not job.done():  # we were cancelled ourselves: the sandbox must still close
             job.cancel()
+
+
+class Heartbeat:
+    """One heartbeat for all the episodes an event loop runs: every poll_s, one UPDATE marks
+    them alive and one SELECT reads their runs' statuses, however many episodes there are. An
+    episode whose run is being cancelled, or whose attempt is no longer the running one, is
+    told through its stop future ("cancelled" / "superseded")."""
+
+    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, engine: AsyncEngine, poll_s: float):
+        self.engine, self.poll_s = engine, poll_s
+        self.episodes: dict[uuid.UUID, tuple[int, uuid.UUID, asyncio.Future]] = {}
+        self.task: asyncio.Task | None = None
+
+    @classmethod
+    def of(cls, engine: AsyncEngine, poll_s: float) -> Heartbeat:
+        per_loop = cls._by_loop.setdefault(asyncio.get_running_loop(), {})
+        if id(engine) not in per_loop:
+            per_loop[id(engine)] = cls(engine, poll_s)
+        return per_loop[id(engine)]
+
+    def watch(self, episode_id: uuid.UUID, attempt: int, run_id: uuid.UUID) -> asyncio.Future:
+        stop = asyncio.get_running_loop().create_future()
+        self.episodes[episode_id] = (attempt, run_id, stop)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._beat())
+        return stop
+
+    def unwatch(self, episode_id: uuid.UUID) -> None:
+        self.episodes.pop(episode_id, None)
+
+    async def _beat(self) -> None:
+        while self.episodes:
+            await asyncio.sleep(self.poll_s)
+            watched = dict(self.episodes)
+            if not watched:
+                break
             try:
-                await job
-            except asyncio.CancelledError:
-                pass
-            return EpisodeResult(status=stop)
-    return job.result()
+                async with self.engine.begin() as conn:
+                    alive = dict((await conn.execute(
+                        sa.update(Episode).where(Episode.id.in_(list(watched)), Episode.status == "running")
+                        .values(heartbeat_at=utcnow()).returning(Episode.id, Episode.attempt))).all())
+                    runs = dict((await conn.execute(sa.select(Run.id, Run.status).where(
+                        Run.id.in_({run_id for _, run_id, _ in watched.values()})))).all())
+            except (OperationalError, InterfaceError, PoolTimeout) as e:  # keep working; turns wait for it
+                logger.warning("heartbeat of %d episode(s) failed: %s", len(watched), str(e).splitlines()[0][:200])
+                continue
+            for episode_id, (attempt, run_id, stop) in watched.items():
+                status = runs.get(run_id)
+                why = "superseded" if alive.get(episode_id) != attempt else (
+                    "cancelled" if status not in RUN_ACTIVE_STATUSES or status == "cancelling" else None)
+                if why is not None and not stop.done():
+                    stop.set_result(why)
 
 
 async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID,

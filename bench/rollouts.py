@@ -1,0 +1,167 @@
+"""Rollout service throughput: N concurrent episodes of a scripted policy that waits a simulated
+model latency per turn, on this machine, through the real path (orchestrator -> Redis -> one
+`swerve worker` process -> bubblewrap sandboxes -> PostgreSQL, graded by the task's tests).
+
+For each concurrency (64 -> 512 by default) one run of that many episodes of the example suite:
+wall time, episodes/s, turns/s, the worker process's CPU per turn (the service's own cost:
+agent loop, Celery, database writes), CPU per episode of the whole machine (sandboxes, grading
+with pytest, PostgreSQL included), and the mean turn overhead beyond model latency and tool
+time.
+
+    .venv/bin/python bench/rollouts.py [--concurrency 64 128 256 512] [--turns 10] [--latency 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+import redis  # noqa: E402
+import sqlalchemy as sa  # noqa: E402
+
+from service import db  # noqa: E402
+from service.celery_app import make_celery  # noqa: E402
+from service.config import load_settings  # noqa: E402
+from service.orchestrator import Supervisor  # noqa: E402
+from service.runs import RunConfig, create_run  # noqa: E402
+from service.suites import file_chunks, import_suite, parser_for_file  # noqa: E402
+from service.tables import Episode, Run, Turn  # noqa: E402
+from service.tiny_model import init_tiny  # noqa: E402
+
+SUITE = ROOT / "envs" / "example_suite" / "suite.jsonl"
+PG_ADMIN = os.environ.get("SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+BROKER = os.environ.get("SWERVE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/13")
+
+
+def tree_cpu(proc: psutil.Process) -> tuple[float, float]:
+    """CPU seconds of the process itself, and of its live descendants."""
+    own = proc.cpu_times()
+    kids = 0.0
+    for child in proc.children(recursive=True):
+        try:
+            t = child.cpu_times()
+            kids += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return own.user + own.system + own.children_user + own.children_system, kids
+
+
+def machine_cpu() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.system + t.nice + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+
+
+async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Path, n: int, turns: int,
+              latency: float, worker: psutil.Process) -> dict:  # fmt: skip
+    tasks = 20
+    calls = [{"name": "bash", "arguments": {"command": "head -c 1000 README.md 2>/dev/null || ls"}}] * turns
+    cfg = RunConfig.model_validate({
+        "suite_id": suite_id, "samples_per_task": -(-n // tasks), "concurrency": n, "worker_timeout_s": 600,
+        "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls, "latency_s": latency},
+        "agent": {"max_turns": turns + 2}})  # fmt: skip
+    worker_before, machine_before = tree_cpu(worker)[0], machine_cpu()
+    started = time.perf_counter()
+    run_id = await create_run(engine, cfg)
+    supervisor.start(run_id)
+    peak_running = 0
+    while True:
+        async with engine.connect() as conn:
+            status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+            running = await conn.scalar(sa.select(sa.func.count()).select_from(Episode).where(
+                Episode.run_id == run_id, Episode.status == "running"))
+        peak_running = max(peak_running, running)
+        if status not in ("pending", "running", "cancelling"):
+            break
+        await asyncio.sleep(0.5)
+    wall = time.perf_counter() - started
+    worker_cpu, machine = tree_cpu(worker)[0] - worker_before, machine_cpu() - machine_before
+    async with engine.connect() as conn:
+        counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count()).where(Episode.run_id == run_id)
+                                          .group_by(Episode.status))).all())
+        n_turns = await conn.scalar(sa.select(sa.func.sum(Episode.n_turns)).where(Episode.run_id == run_id)) or 0
+        spans = (await conn.execute(sa.select(Turn.episode_id, Turn.idx, Turn.started_at, Turn.generation_s, Turn.tool_s)
+                                    .join(Episode, Episode.id == Turn.episode_id).where(Episode.run_id == run_id)
+                                    .order_by(Turn.episode_id, Turn.idx))).all()
+    gaps = []  # time between consecutive turn records beyond what the model and the tool took
+    for a, b in zip(spans, spans[1:]):
+        if a.episode_id == b.episode_id:
+            gaps.append((b.started_at - a.started_at).total_seconds() - b.generation_s - b.tool_s)
+    episodes = sum(counts.values())
+    return {"concurrency": n, "episodes": episodes, "statuses": counts, "peak_running": peak_running,
+            "wall_s": wall, "episodes_per_s": episodes / wall, "turns_per_s": n_turns / wall,
+            "worker_cpu_ms_per_turn": 1000 * worker_cpu / max(n_turns, 1),
+            "machine_cpu_s_per_episode": machine / max(episodes, 1),
+            "turn_overhead_ms": 1000 * statistics.mean(gaps) if gaps else float("nan")}
+
+
+async def main(args) -> None:
+    name = f"swerve_bench_rollouts_{uuid.uuid4().hex[:8]}"
+    url = db.create_database(PG_ADMIN, name)
+    redis.Redis.from_url(BROKER).flushdb()
+    data = ROOT / "var" / "bench" / "rollouts"
+    data.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+        "SWERVE_DATABASE_URL": url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(data)}
+    proc = None
+    try:
+        db.upgrade(url)
+        engine = db.make_async_engine(url)
+        parse = parser_for_file(str(SUITE))
+        suite = await import_suite(engine, "example", parse(file_chunks(str(SUITE))), max_listed_errors=10)
+        tokenizer = init_tiny(data / "tiny")
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency",
+                                 str(max(args.concurrency)), "--loglevel", "WARNING"],
+                                env=env, stdout=open(data / "worker.log", "w"), stderr=subprocess.STDOUT)
+        celery = make_celery(load_settings(database_url=url, broker_url=BROKER))
+        supervisor = Supervisor(engine, lambda e: celery.send_task("swerve.episode", args=[e], queue="swerve"))
+        worker = psutil.Process(proc.pid)
+        await asyncio.sleep(3)  # the worker connects
+        rows = []
+        print(f"{args.turns} tool calls + submit per episode, {args.latency} s simulated model latency per turn, "
+              f"{psutil.cpu_count()} CPUs")
+        for n in args.concurrency:
+            row = await one(engine, supervisor, suite.suite_id, tokenizer, n, args.turns, args.latency, worker)
+            rows.append(row)
+            print(f"{n:5d} in flight: {row['episodes']} episodes {row['statuses']} in {row['wall_s']:.1f} s "
+                  f"(peak running {row['peak_running']}): {row['episodes_per_s']:.2f} episodes/s, "
+                  f"{row['turns_per_s']:.0f} turns/s, worker CPU {row['worker_cpu_ms_per_turn']:.2f} ms/turn, "
+                  f"machine CPU {row['machine_cpu_s_per_episode']:.2f} s/episode, "
+                  f"turn overhead {row['turn_overhead_ms']:.0f} ms", flush=True)
+        base = rows[0]
+        print("\n| in flight | episodes | wall s | episodes/s | x vs first | turns/s | worker CPU ms/turn | "
+              "machine CPU s/episode | turn overhead ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['concurrency']} | {r['episodes']} | {r['wall_s']:.1f} | {r['episodes_per_s']:.2f} | "
+                  f"{r['episodes_per_s'] / base['episodes_per_s']:.2f} | {r['turns_per_s']:.0f} | "
+                  f"{r['worker_cpu_ms_per_turn']:.2f} | {r['machine_cpu_s_per_episode']:.2f} | "
+                  f"{r['turn_overhead_ms']:.0f} |")
+        await supervisor.close()
+        await engine.dispose()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        db.drop_database(PG_ADMIN, url)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--latency", type=float, default=1.0)
+    asyncio.run(main(parser.parse_args()))
