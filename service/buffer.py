@@ -67,20 +67,40 @@ def _insert(conn: AsyncConnection):
     return pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
 
 
+_PG_COLUMNS = {  # column: type, cast explicitly (INSERT ... SELECT does not infer parameter types)
+    "episode_id": "uuid", "idx": "integer", "segment": "integer", "input_ids": "bytea", "output_ids": "bytea",
+    "output_logprobs": "bytea", "routed_experts": "bytea", "n_input_tokens": "integer",
+    "n_output_tokens": "integer", "policy_version": "integer", "finish_reason": "varchar", "text": "text",
+    "tool_call": "jsonb", "observation": "text", "started_at": "timestamptz", "generation_s": "float8",
+    "tool_s": "float8"}
+_PG_VALUES = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
+_PG_APPEND_UNFENCED = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) VALUES ({_PG_VALUES}) "
+                       "ON CONFLICT (episode_id, idx) DO NOTHING")
+# the episode row is share-locked: a restart (which moves the attempt, then deletes the turns)
+# waits for this turn, and this turn is refused once the attempt moved
+_PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) SELECT {_PG_VALUES} "
+              "WHERE EXISTS (SELECT 1 FROM episodes WHERE id = %(episode_id)s::uuid AND attempt = %(attempt)s::integer "
+              "AND status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING")
+
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
                  Turn.output_logprobs, Turn.routed_experts, Turn.policy_version)
 
 
 async def _fetch_turns(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> list[tuple]:
-    """The turns' arrays; on PostgreSQL in binary format (bytea as text would double the bytes)."""
-    query = sa.select(*_TURN_COLUMNS).where(Turn.episode_id.in_(episode_ids)).order_by(Turn.episode_id, Turn.idx)
+    """The turns' arrays, episode by episode in turn order (the (episode_id, idx) index, no
+    sort of wide rows); on PostgreSQL in binary format (bytea as text would double the bytes)."""
     if conn.dialect.name != "postgresql":
+        query = sa.select(*_TURN_COLUMNS).where(Turn.episode_id.in_(episode_ids)).order_by(Turn.episode_id, Turn.idx)
         return [tuple(r) for r in (await conn.execute(query)).all()]
     raw = (await conn.get_raw_connection()).driver_connection
-    compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    columns = ", ".join(c.name for c in _TURN_COLUMNS)
+    out: list[tuple] = []
     async with raw.cursor(binary=True) as cur:
-        await cur.execute(str(compiled), compiled.params)
-        return [(row[0], *row[1:]) for row in await cur.fetchall()]
+        for episode_id in episode_ids:
+            await cur.execute(f"SELECT {columns} FROM turns WHERE episode_id = %s ORDER BY idx", (episode_id,),
+                              prepare=True)
+            out += await cur.fetchall()
+    return out
 
 
 class Buffer:
@@ -102,18 +122,35 @@ class Buffer:
         }  # fmt: skip
         async with self.engine.begin() as conn:
             if conn.dialect.name == "postgresql":
-                # A turn is durable once the server has it; waiting for its WAL flush on every
-                # turn would cap a worker at a few hundred turns/s. Episode ends stay synchronous.
-                await conn.execute(sa.text("SET LOCAL synchronous_commit TO OFF"))
+                await self._append_pg(conn, row, attempt)
+                return
             if attempt is not None:
                 fence = sa.select(Episode.id).where(Episode.id == episode_id, Episode.attempt == attempt,
                                                     Episode.status == "running")
-                if conn.dialect.name == "postgresql":
-                    fence = fence.with_for_update(read=True)  # a restart waits for this turn, then removes it
                 if (await conn.execute(fence)).first() is None:
                     raise Superseded(f"episode {episode_id}: attempt {attempt} is no longer the running one")
             stmt = _insert(conn)(Turn).values(**row).on_conflict_do_nothing(index_elements=["episode_id", "idx"])
             await conn.execute(stmt)
+
+    @staticmethod
+    async def _append_pg(conn: AsyncConnection, row: dict, attempt: int | None) -> None:
+        """The hot path, in psycopg directly: one prepared statement with binary arrays, sent in
+        one round trip with the commit mode. A turn is durable once the server has it; waiting
+        for its WAL flush on every turn would cap a worker at a few hundred turns/s (episode
+        ends stay synchronous, and an episode end checks that all its turns are there)."""
+        from psycopg.types.json import Jsonb
+
+        raw = (await conn.get_raw_connection()).driver_connection
+        params = {**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
+                  "attempt": attempt}
+        async with raw.pipeline(), raw.cursor() as cur:
+            await cur.execute("SET LOCAL synchronous_commit TO OFF")
+            await cur.execute(_PG_APPEND if attempt is not None else _PG_APPEND_UNFENCED, params, prepare=True)
+        if cur.rowcount == 0 and attempt is not None:  # a repeat of a stored turn, or a fenced-off attempt
+            current = await conn.scalar(sa.select(Episode.id).where(
+                Episode.id == row["episode_id"], Episode.attempt == attempt, Episode.status == "running"))
+            if current is None:
+                raise Superseded(f"episode {row['episode_id']}: attempt {attempt} is no longer the running one")
 
     async def finish_episode(self, episode_id: uuid.UUID, attempt: int | None = None, **fields) -> bool:
         """Make an episode final (status and results in `fields`) exactly once; when it was the
