@@ -1,0 +1,91 @@
+"""Advantages, sequences built from stored turns, and packing."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from service.buffer import EpisodeData, GroupData
+from trainer.data import DataConfig, episode_sequences, group_advantages, pack, packing_efficiency, sequences_from_groups
+
+
+def turn(idx, n_in, n_out, start=0, segment=0, experts=False):
+    ids = np.arange(start, start + n_in + n_out)
+    return {"idx": idx, "segment": segment, "input_ids": ids[:n_in], "output_ids": ids[n_in:],
+            "output_logprobs": -np.arange(1, n_out + 1, dtype=np.float32) / 10, "policy_version": 3,
+            "routed_experts": np.full((n_in + n_out, 2, 2), idx, dtype=np.uint8) if experts else None}
+
+
+def test_advantages():
+    cfg = DataConfig()
+    np.testing.assert_allclose(group_advantages([1, 0, 0, 1], cfg), [0.5, -0.5, -0.5, 0.5])
+    np.testing.assert_allclose(group_advantages([1, 0, 0, 1], DataConfig(std_normalize=True)), [1, -1, -1, 1], rtol=1e-5)
+
+
+def test_sequence_is_the_turns_concatenated_with_loss_on_sampled_tokens():
+    turns = [turn(0, 5, 3, 0), turn(1, 2, 4, 8, experts=False)]
+    (seq,) = episode_sequences(turns, 0.5)
+    assert seq.tokens.tolist() == list(range(14))
+    assert seq.sampled.tolist() == [False] * 5 + [True] * 3 + [False] * 2 + [True] * 4
+    np.testing.assert_allclose(seq.inf_logprobs[5:8], [-0.1, -0.2, -0.3])
+    assert seq.inf_logprobs[:5].tolist() == [0] * 5 and seq.policy_version == 3 and seq.routed_experts is None
+
+
+def test_segments_become_separate_sequences_and_experts_follow_tokens():
+    turns = [turn(0, 4, 2, 0, experts=True), turn(1, 6, 2, 100, segment=1, experts=True)]
+    a, b = episode_sequences(turns, 1.0)
+    assert len(a.tokens) == 6 and len(b.tokens) == 8
+    assert a.routed_experts.shape == (6, 2, 2) and int(b.routed_experts[0, 0, 0]) == 1
+
+
+def test_missing_logprobs_are_refused():
+    t = turn(0, 3, 2)
+    t["output_logprobs"] = None
+    with pytest.raises(ValueError, match="logprobs"):
+        episode_sequences([t], 1.0)
+
+
+def test_groups_filter_zero_advantage_and_unrewarded_episodes():
+    def group(rewards):
+        return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), [
+            EpisodeData(uuid.uuid4(), i, "submitted", r, 0, [turn(0, 3, 2)]) for i, r in enumerate(rewards)])
+
+    seqs, stats = sequences_from_groups([group([1, 0]), group([1, 1]), group([None, None]), group([0, None, 1])],
+                                        DataConfig())
+    assert (stats.groups, stats.zero_advantage_groups, stats.excluded_episodes, stats.episodes) == (4, 2, 3, 4)
+    assert sorted(s.advantage for s in seqs) == [-0.5, -0.5, 0.5, 0.5]
+    sft, sft_stats = sequences_from_groups([group([1, 1])], DataConfig(advantage_one=True))
+    assert [s.advantage for s in sft] == [1.0, 1.0] and sft_stats.zero_advantage_groups == 0
+
+
+def test_packing_respects_boundaries_and_shifts_targets():
+    seqs = episode_sequences([turn(0, 5, 3, 0)], 1.0) + episode_sequences([turn(0, 4, 4, 50)], -1.0) \
+        + episode_sequences([turn(0, 10, 7, 200)], 0.5)
+    rows, truncated = pack(seqs, seq_len=16)
+    assert truncated == 0 and sum(r.used for r in rows) == 7 + 7 + 16
+    for row in rows:
+        for sid in set(row.seq_ids[row.seq_ids >= 0].tolist()):
+            at = np.flatnonzero(row.seq_ids == sid)
+            s = seqs[sid]
+            assert row.positions[at].tolist() == list(range(len(at)))
+            assert row.inputs[at].tolist() == s.tokens[:-1].tolist()
+            assert row.targets[at].tolist() == s.tokens[1:].tolist()
+            assert row.loss_mask[at].tolist() == s.sampled[1:].tolist()
+            assert np.all(row.advantages[at] == s.advantage)
+            np.testing.assert_allclose(row.inf_logprobs[at], s.inf_logprobs[1:])
+        assert not row.loss_mask[row.seq_ids < 0].any()
+    assert packing_efficiency(rows) == pytest.approx(30 / 32)
+
+
+def test_packing_truncates_what_does_not_fit_and_reports_it():
+    rows, truncated = pack(episode_sequences([turn(0, 20, 10, 0)], 1.0), seq_len=16)
+    assert truncated == 30 - 17 and len(rows) == 1 and rows[0].used == 16
+
+
+def test_packing_is_efficient_on_many_sequences():
+    rng = np.random.default_rng(0)
+    seqs = [s for n in rng.integers(50, 2000, 300) for s in episode_sequences([turn(0, int(n) // 2, int(n) - int(n) // 2)], 1.0)]
+    rows, _ = pack(seqs, seq_len=8192)
+    assert packing_efficiency(rows) > 0.98

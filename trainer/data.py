@@ -1,0 +1,188 @@
+"""From claimed groups to packed training rows, without re-tokenizing.
+
+A group's episodes get group-relative advantages (reward minus the group mean, optionally
+divided by the group's standard deviation); groups whose advantages are all zero teach nothing
+and are filtered (and counted). Each episode segment becomes one sequence: its turns'
+`input_ids + output_ids` concatenated, exactly the tokens the sampler saw, with the loss only
+on sampled tokens and the sampler's logprobs beside them. Sequences are packed first-fit
+decreasing into rows of `seq_len`; positions restart at every sequence so attention and RoPE
+can respect document boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    std_normalize: bool = False
+    """Divide advantages by the group's standard deviation (GRPO) instead of only centring (Dr. GRPO)."""
+    eps: float = Field(1e-6, gt=0)
+    seq_len: int = Field(8192, ge=16)
+    """Tokens per packed row."""
+    advantage_one: bool = False
+    """SFT: every sampled token gets advantage 1 (no group statistics, no filtering)."""
+
+
+@dataclass
+class Sequence:
+    tokens: np.ndarray  # int64 [n]
+    sampled: np.ndarray  # bool [n]: token i was sampled by the policy
+    inf_logprobs: np.ndarray  # float32 [n]: the sampler's logprob of token i (0 where not sampled)
+    advantage: float
+    episode_id: object = None
+    policy_version: int | None = None
+    routed_experts: np.ndarray | None = None  # [n, layers, top_k] when every turn carries them
+
+
+@dataclass
+class BatchStats:
+    groups: int = 0
+    zero_advantage_groups: int = 0
+    episodes: int = 0
+    excluded_episodes: int = 0
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    truncated_tokens: int = 0
+
+
+def group_advantages(rewards: list[float], cfg: DataConfig) -> np.ndarray:
+    r = np.asarray(rewards, dtype=np.float64)
+    adv = r - r.mean()
+    if cfg.std_normalize:
+        adv = adv / (r.std() + cfg.eps)
+    return adv
+
+
+def episode_sequences(turns: list[dict], advantage: float, episode_id=None) -> list[Sequence]:
+    """One sequence per segment (a template that rewrites history starts a new one)."""
+    by_segment: dict[int, list[dict]] = {}
+    for t in sorted(turns, key=lambda t: t["idx"]):
+        by_segment.setdefault(t.get("segment", 0), []).append(t)
+    out = []
+    for seg_turns in by_segment.values():
+        tokens, sampled, logprobs, experts = [], [], [], []
+        for t in seg_turns:
+            n_in, n_out = len(t["input_ids"]), len(t["output_ids"])
+            tokens += [np.asarray(t["input_ids"], dtype=np.int64), np.asarray(t["output_ids"], dtype=np.int64)]
+            sampled += [np.zeros(n_in, dtype=bool), np.ones(n_out, dtype=bool)]
+            lp = t.get("output_logprobs")
+            if lp is None or len(lp) != n_out:
+                raise ValueError(f"episode {episode_id} turn {t['idx']}: {n_out} sampled tokens but "
+                                 f"{0 if lp is None else len(lp)} logprobs; not trainable")
+            logprobs += [np.zeros(n_in, dtype=np.float32), np.asarray(lp, dtype=np.float32)]
+            experts.append(t.get("routed_experts"))
+        seq = Sequence(np.concatenate(tokens), np.concatenate(sampled), np.concatenate(logprobs), advantage,
+                       episode_id, min((t.get("policy_version") or 0) for t in seg_turns))
+        if all(e is not None for e in experts):
+            seq.routed_experts = np.concatenate(experts)
+            if len(seq.routed_experts) != len(seq.tokens):
+                seq.routed_experts = None  # recorded for a different span: not replayable
+        out.append(seq)
+    return out
+
+
+def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], BatchStats]:
+    """`groups`: buffer.GroupData. Episodes without a reward (harness failures) are excluded."""
+    stats = BatchStats()
+    out: list[Sequence] = []
+    for group in groups:
+        stats.groups += 1
+        episodes = [e for e in group.episodes if e.reward is not None and e.turns]
+        stats.excluded_episodes += len(group.episodes) - len(episodes)
+        if not episodes:
+            stats.zero_advantage_groups += 1
+            continue
+        rewards = [float(e.reward) for e in episodes]
+        stats.rewards += rewards
+        adv = np.ones(len(episodes)) if cfg.advantage_one else group_advantages(rewards, cfg)
+        if not cfg.advantage_one and np.all(np.abs(adv) < cfg.eps):
+            stats.zero_advantage_groups += 1
+            continue
+        stats.advantages += adv.tolist()
+        for e, a in zip(episodes, adv):
+            stats.episodes += 1
+            out += episode_sequences(e.turns, float(a), e.id)
+    return out, stats
+
+
+@dataclass
+class Row:
+    """One packed row, shifted for next-token prediction: position i predicts targets[i]."""
+
+    inputs: np.ndarray  # int64 [L]
+    targets: np.ndarray  # int64 [L]
+    positions: np.ndarray  # int64 [L], restarting at 0 for every sequence
+    loss_mask: np.ndarray  # bool [L]: targets[i] was sampled
+    inf_logprobs: np.ndarray  # float32 [L]
+    advantages: np.ndarray  # float32 [L]
+    seq_ids: np.ndarray  # int64 [L], -1 on padding
+    routed_experts: np.ndarray | None = None  # [L, layers, top_k] for inputs, when all sequences have them
+    used: int = 0  # non-padding tokens
+
+
+def pack(sequences: list[Sequence], seq_len: int, pad_id: int = 0) -> tuple[list[Row], int]:
+    """First-fit decreasing into rows of seq_len tokens (each sequence contributes len-1
+    prediction positions). Returns the rows and the number of tokens truncated from sequences
+    longer than a row."""
+    truncated = 0
+    items = []
+    for i, s in enumerate(sequences):
+        if len(s.tokens) < 2:
+            continue
+        n = min(len(s.tokens), seq_len + 1)
+        truncated += len(s.tokens) - n
+        items.append((n - 1, i))
+    items.sort(key=lambda x: -x[0])
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for n, i in items:
+        for b, free in enumerate(room):
+            if free >= n:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(seq_len - n)
+    rows = []
+    with_experts = all(sequences[i].routed_experts is not None for _, i in items) and items
+    for members in bins:
+        inputs = np.full(seq_len, pad_id, dtype=np.int64)
+        targets = np.full(seq_len, pad_id, dtype=np.int64)
+        positions = np.zeros(seq_len, dtype=np.int64)
+        loss_mask = np.zeros(seq_len, dtype=bool)
+        inf = np.zeros(seq_len, dtype=np.float32)
+        adv = np.zeros(seq_len, dtype=np.float32)
+        seq_ids = np.full(seq_len, -1, dtype=np.int64)
+        experts = None
+        at = 0
+        for i in members:
+            s = sequences[i]
+            n = min(len(s.tokens), seq_len + 1) - 1
+            inputs[at:at + n] = s.tokens[:n]
+            targets[at:at + n] = s.tokens[1:n + 1]
+            positions[at:at + n] = np.arange(n)
+            loss_mask[at:at + n] = s.sampled[1:n + 1]
+            inf[at:at + n] = s.inf_logprobs[1:n + 1]
+            adv[at:at + n] = s.advantage
+            seq_ids[at:at + n] = i
+            if with_experts:
+                if experts is None:
+                    experts = np.zeros((seq_len, *s.routed_experts.shape[1:]), dtype=s.routed_experts.dtype)
+                experts[at:at + n] = s.routed_experts[:n]
+            at += n
+        # padding continues the positions so every row stays a valid causal sequence
+        positions[at:] = np.arange(seq_len - at)
+        rows.append(Row(inputs, targets, positions, loss_mask, inf, adv, seq_ids, experts, used=at))
+    return rows, truncated
+
+
+def packing_efficiency(rows: list[Row]) -> float:
+    total = sum(len(r.inputs) for r in rows)
+    return sum(r.used for r in rows) / total if total else 1.0

@@ -1,0 +1,100 @@
+"""Token-level importance-sampled policy gradient against the inference logprobs.
+
+For every sampled token t (loss mask), with the trainer's log-probability `logp` (with
+gradient), the sampler's `logp_inf` and the sequence's advantage A:
+
+    r = exp(logp - logp_inf)                      importance ratio, trainer over sampler
+    kept = low <= r <= high                       tokens outside the trust region are masked
+    w = min(r, clamp) (no gradient)               truncated importance weight (clamp optional)
+    loss_t = -w * A * s + kl_coef * (logp - logp_inf)^2
+
+where s = logp - stopgrad(logp) + 1 is 1 in value and d logp in gradient, so loss_t's value is
+the weighted advantage and its gradient is the IS policy gradient. Normalisation: "token" sums
+over kept tokens and divides by all sampled tokens of the batch; "sequence" does that per
+sequence, then averages sequences. Masked tokens count in the denominator (they are dropped,
+not re-weighted), so masking shrinks the step instead of amplifying the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ratio_low: float = Field(0.5, ge=0)
+    """Tokens with r below this are masked (trust region)."""
+    ratio_high: float = Field(2.0, gt=0)
+    """Tokens with r above this are masked (trust region)."""
+    clamp: float | None = Field(None, gt=0)
+    """Truncate the importance weight at this value (None: no truncation)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the log(r)^2 penalty."""
+    normalize: Literal["token", "sequence"] = "token"
+
+    @model_validator(mode="after")
+    def _region(self) -> LossConfig:
+        if self.ratio_low >= self.ratio_high:
+            raise ValueError(f"ratio_low ({self.ratio_low}) must be below ratio_high ({self.ratio_high})")
+        return self
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+def policy_loss(logp: torch.Tensor, logp_inf: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                cfg: LossConfig, seq_ids: torch.Tensor | None = None) -> LossOutput:  # fmt: skip
+    """All inputs are per token with the same shape (any); `mask` marks sampled tokens;
+    `seq_ids` (same shape, int) says which sequence each token belongs to (needed for
+    normalize="sequence"; -1 for tokens of none)."""
+    mask = mask.bool()
+    log_ratio = torch.where(mask, logp - logp_inf, torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    kept = mask & (ratio >= cfg.ratio_low) & (ratio <= cfg.ratio_high)
+    weight = ratio.detach()
+    if cfg.clamp is not None:
+        weight = weight.clamp(max=cfg.clamp)
+    surrogate = logp - logp.detach() + 1.0
+    per_token = -weight * advantages * surrogate + cfg.kl_coef * log_ratio**2
+    per_token = torch.where(kept, per_token, torch.zeros_like(per_token))
+    n_sampled = mask.sum()
+    if cfg.normalize == "token":
+        loss = per_token.sum() / n_sampled.clamp(min=1)
+    else:
+        if seq_ids is None:
+            raise ValueError("normalize='sequence' needs seq_ids")
+        ids = torch.where(mask, seq_ids, torch.full_like(seq_ids, -1)).flatten()
+        valid = ids >= 0
+        uniq, inverse = torch.unique(ids[valid], return_inverse=True)
+        sums = torch.zeros(len(uniq), dtype=per_token.dtype).index_add(0, inverse, per_token.flatten()[valid])
+        counts = torch.zeros(len(uniq), dtype=per_token.dtype).index_add(
+            0, inverse, torch.ones_like(per_token.flatten()[valid]))
+        loss = (sums / counts.clamp(min=1)).mean() if len(uniq) else per_token.sum() * 0
+    with torch.no_grad():
+        n = max(int(n_sampled), 1)
+        k3 = torch.where(mask, ratio - 1 - log_ratio, torch.zeros_like(ratio))  # KL(sampler || trainer)
+        metrics = {
+            "mismatch_kl": float(k3.sum() / n),
+            "masked_fraction": float(1 - kept.sum() / n) if int(n_sampled) else 0.0,
+            "ratio_mean": float(torch.where(mask, ratio, torch.zeros_like(ratio)).sum() / n),
+            "ratio_max": float(ratio[mask].max()) if int(n_sampled) else 1.0,
+            "sampled_tokens": int(n_sampled),
+        }
+    return LossOutput(loss, metrics)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and the entropy of every position's distribution, in float32."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return picked, entropy

@@ -1,0 +1,116 @@
+"""torchtitan models for the policies we serve: built from the inference model's Hugging Face
+folder (config.json + safetensors), converted both ways with torchtitan's state-dict adapters,
+so the trainer starts from exactly the weights vLLM serves and publishes weights vLLM loads.
+
+Attention: torchtitan's language-model builders offer flex/varlen (packed documents, GPUs).
+On CPU, FlexAttention has no backward, so the CPU path uses SDPA (causal) and runs each packed
+document as its own sequence (`forward_logits`), which keeps document boundaries exact.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SUPPORTED = ("qwen3", "qwen3_moe")
+
+
+class ModelError(ValueError):
+    """The Hugging Face model cannot be mapped onto a torchtitan model; says which field."""
+
+
+def _hf_config(hf_dir: Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise ModelError(f"{path}: no config.json (give the folder of a Hugging Face model)")
+    return json.loads(path.read_text())
+
+
+def titan_config(hf_dir: Path, attn_backend: str = "sdpa"):
+    """A torchtitan Qwen3Model.Config with the same shapes as the Hugging Face model."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm
+
+    hf = _hf_config(hf_dir)
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ModelError(f"config.json model_type: {kind!r} is not one of {SUPPORTED}")
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if abs(eps - 1e-6) > 1e-12:
+        raise ModelError(f"config.json rms_norm_eps: torchtitan's Qwen3 uses 1e-6, the model {eps}")
+    rope = hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise ModelError(f"config.json rope_parameters.rope_type: {rope.get('rope_type')!r} is not supported")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    common = dict(n_layers=hf["num_hidden_layers"], dim=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+                  n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]), head_dim=head_dim,
+                  attn_backend="flex" if attn_backend == "sdpa" else attn_backend,
+                  rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=hf.get("max_position_embeddings", 40960),
+                                         theta=theta))
+    if kind == "qwen3_moe":
+        if not hf.get("norm_topk_prob", True):
+            raise ModelError("config.json norm_topk_prob: torchtitan's Qwen3-MoE router normalises top-k")
+        layers = _build_qwen3_moe_layers(**common, moe_hidden_dim=hf["moe_intermediate_size"],
+                                         num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+                                         moe_comm_backend="standard")
+    else:
+        layers = _build_qwen3_layers(**common, hidden_dim=hf["intermediate_size"])
+    if attn_backend == "sdpa":
+        for layer in layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    vocab = hf["vocab_size"]
+    return Qwen3Model.Config(
+        vocab_size=vocab, dim=hf["hidden_size"], norm=_qwen3_norm(hf["hidden_size"]),
+        enable_weight_tying=bool(hf.get("tie_word_embeddings", False)),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=hf["hidden_size"]),
+        lm_head=Linear.Config(in_features=hf["hidden_size"], out_features=vocab), layers=layers)
+
+
+def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{hf_dir}: no *.safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = torch.float32):
+    """(model, config, adapter): a torchtitan model holding the Hugging Face weights."""
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    config = titan_config(hf_dir, attn_backend)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    adapter = Qwen3StateDictAdapter(config, str(hf_dir))
+    state = adapter.from_hf(load_hf_weights(hf_dir))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith(("freqs_cis", "cos", "sin", "cache"))]
+    if missing or unexpected:
+        raise ModelError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(dtype), config, adapter
+
+
+def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [L, vocab] for one packed row, each document attending only to itself: documents
+    run as separate sequences (SDPA cannot take packed-document masks)."""
+    out = []
+    start = 0
+    n = len(inputs)
+    while start < n:
+        end = start + 1
+        while end < n and seq_ids[end] == seq_ids[start] and positions[end] != 0:
+            end += 1
+        out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
+        start = end
+    return torch.cat(out)
