@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION ?= 0.32.0
+TORCHTITAN_VERSION ?= 0.3.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -14,7 +15,8 @@ PORT ?= 8000
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,model]'
+	$(BIN)/pip install --quiet -e '.[dev,model,trainer]'
+	$(BIN)/pip install --quiet --no-deps torchtitan==$(TORCHTITAN_VERSION)
 	touch $(STAMP)
 
 # vLLM's CPU build in its own venv (its pins clash with ours); the CUDA extras it drags in break imports.

@@ -190,8 +190,9 @@ class Buffer:
                            .values(status="ready", ready_at=utcnow(), min_policy_version=oldest))
 
     async def claim(self, n_groups: int, *, trainer_step: int, max_staleness: int,
-                    lease_s: float = 600.0) -> Claim:  # fmt: skip
-        """Claim up to n ready groups (oldest first), dropping the ones too stale to train on."""
+                    lease_s: float = 600.0, run_id: uuid.UUID | None = None) -> Claim:  # fmt: skip
+        """Claim up to n ready groups (oldest first; of one run if given), dropping the ones too
+        stale to train on."""
         now = utcnow()
         claim_id = uuid.uuid4()
         claimable = sa.or_(Group.status == "ready",
@@ -200,7 +201,8 @@ class Buffer:
         async with self.engine.begin() as conn:
             while len(taken) < n_groups:  # lock only rows this claim takes or drops
                 query = (sa.select(Group.id, Group.min_policy_version).where(claimable)
-                         .where(Group.id.not_in(taken + dropped)).order_by(Group.ready_at, Group.id)
+                         .where(Group.id.not_in(taken + dropped), *([Group.run_id == run_id] if run_id else []))
+                         .order_by(Group.ready_at, Group.id)
                          .limit(n_groups - len(taken)))
                 if conn.dialect.name == "postgresql":
                     query = query.with_for_update(skip_locked=True)

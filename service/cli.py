@@ -134,6 +134,30 @@ def run(
         raise typer.Exit(1)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def train(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Trainer config (TOML).")],
+) -> None:
+    """Train on the buffer's ready groups, publish each new policy and reload the fleet.
+    Extra `--section.key=value` arguments override the config."""
+    from pydantic import ValidationError
+
+    from service.log import setup_logging
+    from trainer.train import load_config, train as run_training
+
+    settings = _settings()
+    setup_logging(settings.log_format)
+    try:
+        cfg = load_config(config, ctx.args)
+    except (ValueError, ValidationError) as e:
+        typer.secho(f"{config}: {e}", fg="red", err=True)
+        raise typer.Exit(2) from e
+    history = asyncio.run(run_training(cfg, cfg.database_url or settings.resolved_database_url))
+    for m in history:
+        typer.echo(json.dumps({k: m[k] for k in ("step", "loss", "reward_mean", "mismatch_kl", "tokens")}))
+
+
 @app.command()
 def worker(
     concurrency: Annotated[int, typer.Option(min=1, help="Episodes in flight in this process (they share one event loop).")] = 64,

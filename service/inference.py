@@ -228,6 +228,7 @@ class VLLMClient:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        await self._check_version(ep)  # a trainer elsewhere may have reloaded the server
         version, started = ep.version, time.perf_counter()
         ep.inflight += 1
         try:

@@ -51,10 +51,13 @@ class LossOutput:
 
 
 def policy_loss(logp: torch.Tensor, logp_inf: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                cfg: LossConfig, seq_ids: torch.Tensor | None = None) -> LossOutput:  # fmt: skip
+                cfg: LossConfig, seq_ids: torch.Tensor | None = None, *, total_tokens: int | None = None,
+                total_sequences: int | None = None) -> LossOutput:  # fmt: skip
     """All inputs are per token with the same shape (any); `mask` marks sampled tokens;
     `seq_ids` (same shape, int) says which sequence each token belongs to (needed for
-    normalize="sequence"; -1 for tokens of none)."""
+    normalize="sequence"; -1 for tokens of none). When a batch is split into several calls
+    (micro-batches whose gradients accumulate), give the whole batch's sampled tokens and
+    sequences as total_tokens / total_sequences so the sum of the calls is the batch's loss."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logp - logp_inf, torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
@@ -67,7 +70,7 @@ def policy_loss(logp: torch.Tensor, logp_inf: torch.Tensor, advantages: torch.Te
     per_token = torch.where(kept, per_token, torch.zeros_like(per_token))
     n_sampled = mask.sum()
     if cfg.normalize == "token":
-        loss = per_token.sum() / n_sampled.clamp(min=1)
+        loss = per_token.sum() / (total_tokens if total_tokens else n_sampled.clamp(min=1))
     else:
         if seq_ids is None:
             raise ValueError("normalize='sequence' needs seq_ids")
@@ -77,7 +80,8 @@ def policy_loss(logp: torch.Tensor, logp_inf: torch.Tensor, advantages: torch.Te
         sums = torch.zeros(len(uniq), dtype=per_token.dtype).index_add(0, inverse, per_token.flatten()[valid])
         counts = torch.zeros(len(uniq), dtype=per_token.dtype).index_add(
             0, inverse, torch.ones_like(per_token.flatten()[valid]))
-        loss = (sums / counts.clamp(min=1)).mean() if len(uniq) else per_token.sum() * 0
+        n_seqs = total_sequences if total_sequences else max(len(uniq), 1)
+        loss = (sums / counts.clamp(min=1)).sum() / n_seqs
     with torch.no_grad():
         n = max(int(n_sampled), 1)
         k3 = torch.where(mask, ratio - 1 - log_ratio, torch.zeros_like(ratio))  # KL(sampler || trainer)

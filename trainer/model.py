@@ -95,7 +95,8 @@ def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = t
     adapter = Qwen3StateDictAdapter(config, str(hf_dir))
     state = adapter.from_hf(load_hf_weights(hf_dir))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith(("freqs_cis", "cos", "sin", "cache"))]
+    # rotary caches and the MoE load-balancing state (expert bias, token counts) start from init_states
+    missing = [k for k in missing if not k.endswith(("freqs_cis", "cos", "sin", "cache", "expert_bias_E", "tokens_per_expert"))]
     if missing or unexpected:
         raise ModelError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.to(dtype), config, adapter
@@ -111,6 +112,9 @@ def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids
         end = start + 1
         while end < n and seq_ids[end] == seq_ids[start] and positions[end] != 0:
             end += 1
-        out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
+        if seq_ids[start] < 0:  # padding: no loss there, no need to run it
+            out.append(torch.zeros(end - start, model.config.vocab_size))
+        else:
+            out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
         start = end
     return torch.cat(out)

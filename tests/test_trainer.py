@@ -1,0 +1,150 @@
+"""The trainer on the tiny models: torchtitan model = served weights, published weights load
+back in transformers, a training loop on the PostgreSQL/SQLite buffer, and a golden loss."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+import torch
+
+from service import db
+from service.agent import TurnRecord
+from service.buffer import Buffer
+from service.tables import Episode, Group, Policy
+from service.tiny_model import TinyModelSpec, init_tiny
+from tests.test_orchestrator import make_run
+
+pytest.importorskip("torchtitan")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {"dense": init_tiny(root / "dense"), "moe": init_tiny(root / "moe", TinyModelSpec(moe=True))}
+
+
+def hf_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("kind,tol", [("dense", 1e-5), ("moe", 5e-3)])
+def test_titan_model_computes_what_the_served_model_computes(tiny, kind, tol):
+    """MoE: torchtitan's grouped experts run in bf16, hence the looser tolerance."""
+    from trainer.model import build_model
+
+    model, _, _ = build_model(tiny[kind])
+    ids = torch.randint(0, 2000, (1, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(96)[None])
+    torch.testing.assert_close(ours.float(), hf_logits(tiny[kind], ids), atol=tol, rtol=0)
+
+
+def test_documents_in_a_row_do_not_see_each_other(tiny):
+    from trainer.model import build_model, forward_logits
+
+    model, _, _ = build_model(tiny["dense"])
+    a, b = torch.randint(0, 2000, (20,)), torch.randint(0, 2000, (12,))
+    row = torch.cat([a, b])
+    positions = torch.cat([torch.arange(20), torch.arange(12)])
+    with torch.no_grad():
+        packed = forward_logits(model, row, positions, torch.tensor([0] * 20 + [1] * 12))
+        alone = model(b[None], torch.arange(12)[None])[0]
+    torch.testing.assert_close(packed[20:], alone)
+
+
+def test_unsupported_models_are_named(tmp_path):
+    from trainer.model import ModelError, titan_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelError, match="model_type"):
+        titan_config(tmp_path)
+
+
+def sampled_turns(model, n_turns: int, rng: np.random.Generator) -> list[TurnRecord]:
+    """Turns whose 'sampler logprobs' are the model's own (teacher-forced), as vLLM would report."""
+    turns, context = [], []
+    for idx in range(n_turns):
+        prompt = rng.integers(0, 2000, 6).tolist()
+        output = rng.integers(0, 2000, 5).tolist()
+        seq = context + prompt + output
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]), torch.arange(len(seq))[None])[0]
+        lp = torch.log_softmax(logits.float(), -1)
+        start = len(context) + len(prompt)
+        logprobs = [float(lp[start + i - 1, t]) for i, t in enumerate(output)]
+        turns.append(TurnRecord(idx=idx, segment=0, input_ids=prompt, output_ids=output, output_logprobs=logprobs,
+                                policy_version=0, policy_version_end=0, finish_reason="stop", text="", tool_call=None,
+                                observation="o", generation_s=0.0, tool_s=0.0))
+        context = seq
+    return turns
+
+
+async def fill_buffer(engine, model, rewards_by_group: list[list[float]]) -> uuid.UUID:
+    run_id = await make_run(engine, policy="oracle")  # 3 tasks x 2 samples
+    buffer = Buffer(engine)
+    rng = np.random.default_rng(0)
+    async with engine.connect() as conn:
+        groups = (await conn.execute(sa.select(Group.id).where(Group.run_id == run_id).order_by(Group.id))).scalars().all()
+    for group_id, rewards in zip(groups, rewards_by_group):
+        async with engine.connect() as conn:
+            episodes = (await conn.execute(sa.select(Episode.id).where(Episode.group_id == group_id)
+                                           .order_by(Episode.sample_index))).scalars().all()
+        for episode_id, reward in zip(episodes, rewards):
+            for turn in sampled_turns(model, 2, rng):
+                await buffer.append_turn(episode_id, turn)
+            await buffer.finish_episode(episode_id, status="submitted", reward=reward, n_turns=2,
+                                        policy_version_min=0, policy_version_max=0)
+    return run_id
+
+
+@pytest.fixture
+async def engine(db_url):
+    engine = db.make_async_engine(db_url)
+    yield engine
+    await engine.dispose()
+
+
+async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_url, tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model import build_model
+    from trainer.train import Trainer, TrainerConfig
+
+    model, _, _ = build_model(tiny["dense"])
+    run_id = await fill_buffer(engine, model, [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
+    cfg = TrainerConfig(model=tiny["dense"], out_dir=tmp_path, steps=2, groups_per_step=1, run_id=run_id,
+                        optim={"lr": 1e-3}, data={"seq_len": 64}, wait_s=5)
+    trainer = Trainer(cfg, engine)
+    history = await trainer.run()
+    assert [m["step"] for m in history] == [1, 2]
+    first = history[0]
+    assert first["mismatch_kl"] < 1e-6 and first["masked_fraction"] == 0  # the data came from these weights
+    assert first["sampled_tokens"] == 2 * 2 * 5 and first["zero_advantage_groups"] == 0
+    assert history[1]["zero_advantage_groups"] == 1  # the all-zero group rode along, counted
+    assert first["reward_mean"] == 0.5 and first["advantage_mean"] == 0 and first["packing_efficiency"] > 0.5
+    assert history[1]["mismatch_kl"] > 0  # the second group was sampled by version 0, trained at version 1
+    async with engine.connect() as conn:
+        policies = (await conn.execute(sa.select(Policy.version, Policy.weights_path, Policy.trainer_step)
+                                       .order_by(Policy.version))).all()
+        groups = dict((await conn.execute(sa.select(Group.status, sa.func.count()).where(Group.run_id == run_id)
+                                          .group_by(Group.status))).all())
+    assert [p.version for p in policies] == [0, 1, 2] and policies[2].trainer_step == 2
+    assert groups == {"consumed": 3}
+    lines = (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    published = Path(policies[2].weights_path)
+    served = AutoModelForCausalLM.from_pretrained(published, dtype=torch.float32).eval()
+    ids = torch.randint(0, 2000, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, trainer.model(ids, torch.arange(40)[None]).float(),
+                                   atol=1e-5, rtol=0)
+        assert not torch.allclose(served(ids).logits, hf_logits(tiny["dense"], ids))

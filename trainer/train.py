@@ -1,0 +1,278 @@
+"""The asynchronous RL trainer: claims ready groups from the buffer, trains one step on them,
+commits the claim with the step, publishes the new policy (weights in the inference model's
+layout, a policy version in the database, every inference server reloaded), repeats.
+
+    swerve train --config trainer/configs/debug.toml [--steps=2 --loss.kl_coef=0.01 ...]
+
+The trainer owns the version counter: after step s it publishes version s+1. It meets the
+inference fleet only there; rollouts keep running while it trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import numpy as np
+import sqlalchemy as sa
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.data import DataConfig, pack, packing_efficiency, sequences_from_groups
+from trainer.loss import LossConfig, policy_loss, token_logprobs
+
+logger = logging.getLogger(__name__)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt")
+
+
+class OptimConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "debug"
+    model: Path
+    """Hugging Face folder of the policy the fleet serves at version 0 (config, safetensors, tokenizer)."""
+    out_dir: Path = Path("var/trainer")
+    """Published weights (weights/v<N>), checkpoints and metrics.jsonl go under out_dir/name."""
+    database_url: str | None = None
+    """None: SWERVE_DATABASE_URL (or the embedded SQLite)."""
+    endpoints: list[str] = []
+    """vLLM servers to reload after every step (none: publish only)."""
+    served_model: str | None = None
+    run_id: uuid.UUID | None = None
+    """Train only on this run's groups (None: any run's)."""
+    steps: int = Field(1, ge=0)
+    """Steps to train (0: until stopped)."""
+    groups_per_step: int = Field(4, ge=1)
+    max_off_policy_steps: int = Field(4, ge=0)
+    """Claimed groups whose oldest token is more steps behind are dropped (and counted)."""
+    lease_s: float = Field(600.0, gt=0)
+    wait_s: float = Field(3600.0, gt=0)
+    """Give up when no group becomes ready for this long."""
+    attn_backend: str = "sdpa"
+    seed: int = 0
+    sft: bool = False
+    """SFT on the same data path: loss on sampled tokens with advantage 1 (e.g. oracle runs)."""
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+    data: DataConfig = DataConfig()
+
+    @model_validator(mode="after")
+    def _sft(self) -> TrainerConfig:
+        if self.sft:
+            self.data = self.data.model_copy(update={"advantage_one": True})
+        return self
+
+
+def load_config(path: Path, overrides: list[str] = ()) -> TrainerConfig:
+    """The TOML file, with `--a.b=value` overrides (values parsed as JSON when they parse)."""
+    raw = tomllib.loads(Path(path).read_text())
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r}: write --section.key=value")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = parsed
+    return TrainerConfig.model_validate(raw)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, engine):
+        from service.buffer import Buffer
+        from trainer.model import build_model
+
+        self.cfg, self.engine, self.buffer = cfg, engine, Buffer(engine)
+        self.dir = cfg.out_dir / cfg.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           weight_decay=cfg.optim.weight_decay)
+        self.step = 0
+        (self.dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+
+    async def version(self) -> int:
+        from service.tables import Policy
+
+        async with self.engine.connect() as conn:
+            return await conn.scalar(sa.select(sa.func.max(Policy.version))) or 0
+
+    async def claim(self):
+        """Claims holding groups_per_step useful groups (of the run, if set), and those groups.
+        Groups that teach nothing (all advantages zero, no rewarded episode) ride along in the
+        claims: consumed with the step and counted, never handed out again."""
+        from trainer.data import sequences_from_groups
+
+        deadline = time.monotonic() + self.cfg.wait_s
+        claims, useful, dropped, useless = [], [], 0, 0
+        while len(useful) < self.cfg.groups_per_step:
+            claim = await self.buffer.claim(self.cfg.groups_per_step - len(useful), trainer_step=self.step,
+                                            max_staleness=self.cfg.max_off_policy_steps, lease_s=self.cfg.lease_s,
+                                            run_id=self.cfg.run_id)
+            dropped += claim.dropped
+            if claim.group_ids:
+                claims.append(claim)
+                for group in await self.buffer.load(claim):
+                    seqs, _ = sequences_from_groups([group], self.cfg.data)
+                    if seqs:
+                        useful.append(group)
+                    else:
+                        useless += 1
+                continue
+            if time.monotonic() > deadline:
+                for c in claims:
+                    await self.buffer.release(c)
+                raise TimeoutError(f"no {self.cfg.groups_per_step} useful ready groups within {self.cfg.wait_s} s")
+            await asyncio.sleep(1.0)
+        return claims, useful, dropped, useless
+
+    def train_step(self, groups) -> dict:
+        cfg = self.cfg
+        sequences, stats = sequences_from_groups(groups, cfg.data)
+        rows, truncated = pack(sequences, cfg.data.seq_len)
+        n_tokens = int(sum(r.loss_mask.sum() for r in rows))
+        n_seqs = len({(i, sid) for i, r in enumerate(rows) for sid in set(r.seq_ids[r.loss_mask].tolist())})
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "masked_fraction": 0.0, "entropy": 0.0}
+        started = time.perf_counter()
+        for row in rows:
+            if not row.loss_mask.any():
+                continue
+            t = {k: torch.from_numpy(np.ascontiguousarray(getattr(row, k)))
+                 for k in ("inputs", "targets", "positions", "loss_mask", "inf_logprobs", "advantages", "seq_ids")}
+            from trainer.model import forward_logits
+
+            logits = forward_logits(self.model, t["inputs"], t["positions"], t["seq_ids"])
+            logp, entropy = token_logprobs(logits, t["targets"])
+            out = policy_loss(logp, t["inf_logprobs"], t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
+                              total_tokens=n_tokens, total_sequences=n_seqs)
+            out.loss.backward()
+            weight = out.metrics["sampled_tokens"] / max(n_tokens, 1)
+            totals["loss"] += out.loss.item()
+            totals["mismatch_kl"] += out.metrics["mismatch_kl"] * weight
+            totals["masked_fraction"] += out.metrics["masked_fraction"] * weight
+            totals["entropy"] += float(entropy[t["loss_mask"]].mean()) * weight
+        grad_norm = None
+        if cfg.optim.grad_clip is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
+        elapsed = time.perf_counter() - started
+        used = sum(r.used for r in rows)
+        return totals | {
+            "reward_mean": float(np.mean(stats.rewards)) if stats.rewards else None,
+            "advantage_mean": float(np.mean(stats.advantages)) if stats.advantages else None,
+            "advantage_std": float(np.std(stats.advantages)) if stats.advantages else None,
+            "groups": stats.groups, "zero_advantage_groups": stats.zero_advantage_groups,
+            "episodes": stats.episodes, "excluded_episodes": stats.excluded_episodes,
+            "sampled_tokens": n_tokens, "tokens": used, "truncated_tokens": truncated,
+            "packing_efficiency": packing_efficiency(rows), "grad_norm": grad_norm,
+            "step_s": elapsed, "tokens_per_s": used / elapsed if elapsed else None,
+        }  # fmt: skip
+
+    def publish_weights(self, version: int) -> Path:
+        """The weights in the inference model's layout: safetensors + config + tokenizer."""
+        from safetensors.torch import save_file
+
+        out = self.dir / "weights" / f"v{version}"
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = {k: v.detach().to(torch.float32).contiguous() for k, v in self.model.state_dict().items()}
+        hf = self.adapter.to_hf(state)
+        save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp / "model.safetensors"))
+        shutil.copy(self.cfg.model / "config.json", tmp / "config.json")
+        for name in TOKENIZER_FILES:
+            if (self.cfg.model / name).exists():
+                shutil.copy(self.cfg.model / name, tmp / name)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return out.resolve()
+
+    async def publish(self, version: int, metrics: dict) -> list[str]:
+        from service.inference import FleetConfig, VLLMClient
+        from service.tables import Policy, utcnow
+
+        path = self.publish_weights(version)
+        async with self.engine.begin() as conn:
+            await conn.execute(sa.insert(Policy).values(version=version, weights_path=str(path),
+                                                        trainer_step=self.step, created_at=utcnow(),
+                                                        info={k: v for k, v in metrics.items() if v is not None}))
+        if not self.cfg.endpoints:
+            return []
+        async with VLLMClient(FleetConfig(endpoints=self.cfg.endpoints, model=self.cfg.served_model)) as fleet:
+            reloaded = await fleet.reload(str(path), version)
+        if len(reloaded) != len(self.cfg.endpoints):
+            logger.error("version %d: only %s of %s reloaded", version, reloaded, self.cfg.endpoints)
+        return reloaded
+
+    async def run(self) -> list[dict]:
+        from service.buffer import ClaimLost
+
+        self.step = await self.version()
+        if self.step == 0:
+            await self._record_initial_policy()
+        history = []
+        while self.cfg.steps == 0 or len(history) < self.cfg.steps:
+            claims, groups, dropped, useless = await self.claim()
+            staleness = [self.step - g.episodes[0].policy_version_min for g in groups
+                         if g.episodes and g.episodes[0].policy_version_min is not None]
+            metrics = await asyncio.to_thread(self.train_step, groups)
+            try:
+                for claim in claims:
+                    await self.buffer.commit(claim, trainer_step=self.step)
+            except ClaimLost as e:  # the lease ran out: the groups went back; do not apply this step
+                logger.warning("step %d discarded: %s", self.step, e)
+                self.optimizer.zero_grad(set_to_none=True)
+                continue
+            self.optimizer.step()
+            self.step += 1
+            metrics |= {"step": self.step, "dropped_groups": dropped, "zero_advantage_groups": useless,
+                        "staleness_mean": float(np.mean(staleness)) if staleness else None,
+                        "staleness_max": max(staleness) if staleness else None}
+            metrics["reloaded"] = await self.publish(self.step, metrics)
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            logger.info("step %d: %s", self.step, {k: metrics[k] for k in ("loss", "reward_mean", "mismatch_kl")})
+            history.append(metrics)
+        return history
+
+    async def _record_initial_policy(self) -> None:
+        from service.tables import Policy, utcnow
+
+        async with self.engine.begin() as conn:
+            exists = await conn.scalar(sa.select(Policy.version).where(Policy.version == 0))
+            if exists is None:
+                await conn.execute(sa.insert(Policy).values(version=0, weights_path=str(self.cfg.model.resolve()),
+                                                            trainer_step=0, created_at=utcnow()))
+
+
+async def train(cfg: TrainerConfig, database_url: str) -> list[dict]:
+    from service.db import make_async_engine
+
+    engine = make_async_engine(database_url)
+    try:
+        trainer = await asyncio.to_thread(Trainer, cfg, engine)
+        return await trainer.run()
+    finally:
+        await engine.dispose()
