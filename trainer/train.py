@@ -64,6 +64,11 @@ class TrainerConfig(BaseModel):
     wait_s: float = Field(3600.0, gt=0)
     """Give up when no group becomes ready for this long."""
     attn_backend: str = "sdpa"
+    checkpoint_every: int = Field(1, ge=1)
+    """Steps between checkpoints (torch distributed checkpoint of model and optimizer). On
+    resume, groups consumed by steps after the last checkpoint go back to the buffer and the
+    policies those steps published are withdrawn, so no group is lost or used twice."""
+    keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     sft: bool = False
     """SFT on the same data path: loss on sampled tokens with advantage 1 (e.g. oracle runs)."""
@@ -111,6 +116,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         self.step = 0
+        self.crash_after_commit: int | None = None
         (self.dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     async def version(self) -> int:
@@ -226,12 +232,94 @@ class Trainer:
             logger.error("version %d: only %s of %s reloaded", version, reloaded, self.cfg.endpoints)
         return reloaded
 
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        root = self.dir / "checkpoints"
+        found = []
+        for d in root.glob("step-*") if root.exists() else []:
+            if (d / "COMPLETE").exists():
+                found.append((int(d.name.removeprefix("step-")), d))
+        return sorted(found)
+
+    def save_checkpoint(self) -> Path:
+        """Model and optimizer state through torch.distributed.checkpoint (sharded when the
+        model is; one process here). torchtitan's fused QKV renames its keys in state_dict
+        hooks, so the plain module and optimizer state dicts are saved, not get_state_dict's."""
+        import torch.distributed.checkpoint as dcp
+
+        path = self.dir / "checkpoints" / f"step-{self.step}"
+        shutil.rmtree(path, ignore_errors=True)
+        dcp.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}, checkpoint_id=str(path))
+        (path / "COMPLETE").write_text(json.dumps({"step": self.step}))  # written last: a torn save is ignored
+        for _, old in self.checkpoints()[:-self.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def load_checkpoint(self, path: Path, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self._materialize_optimizer_state()
+        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=str(path))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step = step
+
+    def _materialize_optimizer_state(self) -> None:
+        """A step with zero gradients and zero learning rate: the optimizer's state tensors exist
+        (with their shapes) for the checkpoint to be loaded into, and no weight moves."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+
+    async def resume(self) -> None:
+        """Back to the last checkpoint (or the initial weights): later steps never happened."""
+        from service.tables import Group, Policy
+
+        found = self.checkpoints()
+        if found:
+            step, path = found[-1]
+            await asyncio.to_thread(self.load_checkpoint, path, step)
+        else:
+            self.step = 0
+        async with self.engine.begin() as conn:
+            undone = sa.update(Group).where(Group.status == "consumed", Group.trainer_step > self.step)
+            if self.cfg.run_id is not None:
+                undone = undone.where(Group.run_id == self.cfg.run_id)
+            back = await conn.execute(undone.values(status="ready", claim_id=None, claim_expires_at=None,
+                                                    consumed_at=None, trainer_step=None))
+            withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > self.step))
+        if back.rowcount or withdrawn.rowcount:
+            logger.warning("resumed at step %d: %d group(s) back to the buffer, %d policy version(s) withdrawn",
+                           self.step, back.rowcount, withdrawn.rowcount)
+        if self.step == 0:
+            await self._record_initial_policy()
+        else:  # died between the checkpoint and the publication: publish now
+            async with self.engine.connect() as conn:
+                published = await conn.scalar(sa.select(Policy.version).where(Policy.version == self.step))
+            if published is None:
+                await self.publish(self.step, {"republished": True})
+        if self.cfg.endpoints:  # the fleet serves what this trainer now is, before anything else happens
+            path = (self.dir / "weights" / f"v{self.step}") if self.step else self.cfg.model
+            if self.step and not path.exists():
+                path = await asyncio.to_thread(self.publish_weights, self.step)
+            from service.inference import FleetConfig, VLLMClient
+
+            async with VLLMClient(FleetConfig(endpoints=self.cfg.endpoints, model=self.cfg.served_model)) as fleet:
+                if fleet.version != self.step or found:
+                    await fleet.reload(str(Path(path).resolve()), self.step)
+
     async def run(self) -> list[dict]:
         from service.buffer import ClaimLost
 
-        self.step = await self.version()
-        if self.step == 0:
-            await self._record_initial_policy()
+        await self.resume()
         history = []
         while self.cfg.steps == 0 or len(history) < self.cfg.steps:
             claims, groups, dropped, useless = await self.claim()
@@ -239,14 +327,18 @@ class Trainer:
                          if g.episodes and g.episodes[0].policy_version_min is not None]
             metrics = await asyncio.to_thread(self.train_step, groups)
             try:
-                for claim in claims:
-                    await self.buffer.commit(claim, trainer_step=self.step)
+                for claim in claims:  # consumed by the step that makes version step+1
+                    await self.buffer.commit(claim, trainer_step=self.step + 1)
             except ClaimLost as e:  # the lease ran out: the groups went back; do not apply this step
                 logger.warning("step %d discarded: %s", self.step, e)
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
             self.optimizer.step()
             self.step += 1
+            if self.crash_after_commit == self.step:  # tests: the worst moment to die
+                raise RuntimeError(f"crash injected after step {self.step} committed")
+            if self.step % self.cfg.checkpoint_every == 0:
+                await asyncio.to_thread(self.save_checkpoint)
             metrics |= {"step": self.step, "dropped_groups": dropped, "zero_advantage_groups": useless,
                         "staleness_mean": float(np.mean(staleness)) if staleness else None,
                         "staleness_max": max(staleness) if staleness else None}
