@@ -181,6 +181,7 @@ def golden_step(tiny_dir: Path) -> dict:
 
     torch.manual_seed(0)
     trainer.model, _, _ = build_model(tiny_dir)
+    trainer.moe_layers = 0
     trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
     return trainer.train_step([group])
 

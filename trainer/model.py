@@ -102,9 +102,12 @@ def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = t
     return model.to(dtype), config, adapter
 
 
-def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                   routed_experts=None) -> torch.Tensor:  # fmt: skip
     """Logits [L, vocab] for one packed row, each document attending only to itself: documents
-    run as separate sequences (SDPA cannot take packed-document masks)."""
+    run as separate sequences (SDPA cannot take packed-document masks). With routed_experts
+    [L, layers, top_k], MoE layers replay those expert choices (trainer/replay.py)."""
+    from trainer.replay import replaying
     out = []
     start = 0
     n = len(inputs)
@@ -114,6 +117,9 @@ def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids
             end += 1
         if seq_ids[start] < 0:  # padding: no loss there, no need to run it
             out.append(torch.zeros(end - start, model.config.vocab_size))
+        elif routed_experts is not None:
+            with replaying(model, routed_experts[start:end]):
+                out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
         else:
             out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
         start = end

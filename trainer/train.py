@@ -64,6 +64,8 @@ class TrainerConfig(BaseModel):
     wait_s: float = Field(3600.0, gt=0)
     """Give up when no group becomes ready for this long."""
     attn_backend: str = "sdpa"
+    router_replay: bool = True
+    """MoE: route tokens to the experts the sampler recorded (R3) when the turns carry them."""
     checkpoint_every: int = Field(1, ge=1)
     """Steps between checkpoints (torch distributed checkpoint of model and optimizer). On
     resume, groups consumed by steps after the last checkpoint go back to the buffer and the
@@ -113,6 +115,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend)
         self.model.train()
+        from trainer.replay import enable
+
+        self.moe_layers = enable(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         self.step = 0
@@ -170,7 +175,8 @@ class Trainer:
                  for k in ("inputs", "targets", "positions", "loss_mask", "inf_logprobs", "advantages", "seq_ids")}
             from trainer.model import forward_logits
 
-            logits = forward_logits(self.model, t["inputs"], t["positions"], t["seq_ids"])
+            experts = row.routed_experts if cfg.router_replay and self.moe_layers else None
+            logits = forward_logits(self.model, t["inputs"], t["positions"], t["seq_ids"], experts)
             logp, entropy = token_logprobs(logits, t["targets"])
             out = policy_loss(logp, t["inf_logprobs"], t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
                               total_tokens=n_tokens, total_sequences=n_seqs)
