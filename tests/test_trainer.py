@@ -260,3 +260,46 @@ def _drop_second(url: str) -> None:
         from tests.conftest import PG_ADMIN_URL
 
         db.drop_database(PG_ADMIN_URL, url)
+
+
+async def test_sft_warm_start_lowers_the_nll_of_scripted_trajectories(engine, tiny, tmp_path):
+    """SFT on the same data path (advantage 1, loss on sampled tokens): scripted 'samples'
+    carry logprob 0, which SFT ignores; the model's NLL of those tokens goes down."""
+    from trainer.model import build_model
+    from trainer.train import Trainer, TrainerConfig
+
+    model, _, _ = build_model(tiny["dense"])
+    run_id = await fill_buffer(engine, model, [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    async with engine.begin() as conn:  # what the oracle policy records: logprob 0 for every token
+        from service.records import encode_logprobs
+        from service.tables import Turn
+
+        rows = (await conn.execute(sa.select(Turn.id, Turn.n_output_tokens))).all()
+        for turn_id, n in rows:
+            await conn.execute(sa.update(Turn).where(Turn.id == turn_id).values(output_logprobs=encode_logprobs([0.0] * n)))
+    buffer = Buffer(engine)
+    claim = await buffer.claim(3, trainer_step=0, max_staleness=9)
+    groups = await buffer.load(claim)
+    await buffer.release(claim)
+    from trainer.data import DataConfig, pack, sequences_from_groups
+    from trainer.loss import token_logprobs
+    from trainer.model import forward_logits
+
+    rows, _ = pack(sequences_from_groups(groups, DataConfig(advantage_one=True))[0], 64)
+
+    def nll(m) -> float:
+        total, n = 0.0, 0
+        with torch.no_grad():
+            for r in rows:
+                lp, _ = token_logprobs(forward_logits(m, *(torch.from_numpy(x) for x in (r.inputs, r.positions, r.seq_ids))),
+                                       torch.from_numpy(r.targets))
+                total -= float(lp[torch.from_numpy(r.loss_mask)].sum())
+                n += int(r.loss_mask.sum())
+        return total / n
+
+    before = nll(model)
+    trainer = Trainer(TrainerConfig(model=tiny["dense"], out_dir=tmp_path, steps=3, groups_per_step=1, run_id=run_id,
+                                    sft=True, optim={"lr": 3e-3}, data={"seq_len": 64}, wait_s=5), engine)
+    history = await trainer.run()
+    assert all(m["masked_fraction"] == 0 and m["mismatch_kl"] == 0 for m in history)
+    assert nll(trainer.model) < before - 0.1

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import sqlalchemy as sa
 import torch
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.data import DataConfig, pack, packing_efficiency, sequences_from_groups
@@ -38,6 +40,27 @@ class OptimConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
+
+
+class ParallelismConfig(BaseModel):
+    """How the model is laid out over `world_size` processes (torchtitan's parallelisms)."""
+
+    model_config = ConfigDict(extra="forbid")
+    world_size: int = Field(1, ge=1)
+    data_parallel_shard_degree: int = Field(-1, ge=-1)
+    """FSDP2 shards; -1: whatever world_size leaves after the other degrees."""
+    tensor_parallel_degree: int = Field(1, ge=1)
+    expert_parallel_degree: int = Field(1, ge=1)
+    context_parallel_degree: int = Field(1, ge=1)
+    """Splits each sequence across ranks: what 131k-token episodes need."""
+    activation_checkpoint: Literal["none", "selective", "full"] = "none"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    float8: bool = False
+    """float8 linears (torchao) where present."""
+
+    def fsdp(self) -> int:
+        rest = self.tensor_parallel_degree * self.context_parallel_degree
+        return self.data_parallel_shard_degree if self.data_parallel_shard_degree > 0 else self.world_size // rest
 
 
 class TrainerConfig(BaseModel):
@@ -64,6 +87,11 @@ class TrainerConfig(BaseModel):
     wait_s: float = Field(3600.0, gt=0)
     """Give up when no group becomes ready for this long."""
     attn_backend: str = "sdpa"
+    """sdpa on CPU (documents run separately); flex or varlen on GPUs (packed documents)."""
+    titan_flavor: str | None = None
+    """A torchtitan registry model, "family:flavor" (e.g. "deepseek_v3:671B"), for real-size
+    configs whose weights live on the cluster; None: built from `model`'s config.json."""
+    parallelism: ParallelismConfig = ParallelismConfig()
     router_replay: bool = True
     """MoE: route tokens to the experts the sampler recorded (R3) when the turns carry them."""
     checkpoint_every: int = Field(1, ge=1)
@@ -178,7 +206,9 @@ class Trainer:
             experts = row.routed_experts if cfg.router_replay and self.moe_layers else None
             logits = forward_logits(self.model, t["inputs"], t["positions"], t["seq_ids"], experts)
             logp, entropy = token_logprobs(logits, t["targets"])
-            out = policy_loss(logp, t["inf_logprobs"], t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
+            # SFT: no sampler to correct for (scripted "samples" carry logprob 0): ratio 1, plain NLL
+            inf = logp.detach() if cfg.sft else t["inf_logprobs"]
+            out = policy_loss(logp, inf, t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
                               total_tokens=n_tokens, total_sequences=n_seqs)
             out.loss.backward()
             weight = out.metrics["sampled_tokens"] / max(n_tokens, 1)
