@@ -148,6 +148,12 @@ async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_u
     assert groups == {"consumed": 3}
     lines = (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
+    from tests.conftest import client_for, make_settings
+
+    async with client_for(make_settings(db_url)) as client:
+        listed = (await client.get("/api/v1/policies")).json()
+    assert [p["version"] for p in listed["items"]] == [2, 1, 0]
+    assert listed["items"][1]["metrics"]["loss"] == pytest.approx(history[0]["loss"])
     published = Path(policies[2].weights_path)
     served = AutoModelForCausalLM.from_pretrained(published, dtype=torch.float32).eval()
     ids = torch.randint(0, 2000, (1, 40))

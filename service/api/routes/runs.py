@@ -195,3 +195,16 @@ async def buffer_stats(request: Request) -> dict:
     from service.buffer import Buffer
 
     return await Buffer(request.app.state.engine).stats()
+
+
+@router.get("/policies")
+async def list_policies(session: SessionDep, limit: Limit = 100, offset: Offset = 0) -> dict:
+    """Policy versions the trainer published, newest first, with the metrics of the step that
+    made each (loss, reward, mismatch KL, entropy, masked fraction, staleness, tokens/s...)."""
+    from service.tables import Policy
+
+    total = await session.scalar(sa.select(sa.func.count()).select_from(Policy))
+    rows = (await session.scalars(sa.select(Policy).order_by(Policy.version.desc()).limit(limit).offset(offset))).all()
+    return {"items": [{"version": p.version, "trainer_step": p.trainer_step, "weights_path": p.weights_path,
+                       "created_at": p.created_at, "metrics": p.info or {}} for p in rows],
+            "total": total, "limit": limit, "offset": offset}
