@@ -309,3 +309,48 @@ async def test_sft_warm_start_lowers_the_nll_of_scripted_trajectories(engine, ti
     history = await trainer.run()
     assert all(m["masked_fraction"] == 0 and m["mismatch_kl"] == 0 for m in history)
     assert nll(trainer.model) < before - 0.1
+
+
+async def test_sigkilled_trainer_process_resumes_exactly_once(migrated_pg_url, tiny, tmp_path):
+    """`swerve train` killed with SIGKILL somewhere in its second step; started again, it goes
+    on from its checkpoint: every group is consumed by exactly one step, versions 0..3 exist."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import _truncate_pg
+    from trainer.model import build_model
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url)
+    try:
+        model, _, _ = build_model(tiny["dense"])
+        await fill_buffer(engine, model, [[1.0, 0.0], [0.0, 1.0], [1.0, 0.5]])
+        config = tmp_path / "t.toml"
+        config.write_text(f'name = "killed"\nmodel = "{tiny["dense"]}"\nout_dir = "{tmp_path}"\n'
+                          f'database_url = "{migrated_pg_url}"\ngroups_per_step = 1\nwait_s = 20\n'
+                          '[data]\nseq_len = 64\n[optim]\nlr = 1e-3\n')
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"OMP_NUM_THREADS": "1"}
+        metrics = tmp_path / "killed" / "metrics.jsonl"
+        first = subprocess.Popen([sys.executable, "-m", "service.cli", "train", "--config", str(config), "--steps=3"],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))
+        for _ in range(600):
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        done = subprocess.run([sys.executable, "-m", "service.cli", "train", "--config", str(config), "--steps=1"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        async with engine.connect() as conn:
+            steps = sorted((await conn.execute(sa.select(Group.trainer_step).where(Group.status == "consumed")))
+                           .scalars().all())
+            versions = (await conn.execute(sa.select(Policy.version).order_by(Policy.version))).scalars().all()
+        done_steps = versions[-1]
+        assert versions == list(range(done_steps + 1)) and done_steps >= 2
+        assert steps == list(range(1, done_steps + 1))  # one group per step, none twice, none lost
+    finally:
+        await engine.dispose()
