@@ -133,13 +133,18 @@ def _array(blob: bytes | None, encoding: str):
 
 @router.get("/episodes/{episode_id}", responses={404: {"model": Problem}})
 async def show_episode(session: SessionDep, episode_id: uuid.UUID,
-                       arrays: Literal["none", "base64", "json"] = "none") -> dict:
+                       arrays: Literal["none", "base64", "json"] = "none",
+                       turns_offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+                       turns_limit: Annotated[int | None, Query(ge=1, le=100_000)] = None) -> dict:
+    """The episode with its turns (all, or `turns_limit` from `turns_offset`: long episodes
+    load page by page)."""
     row = (await session.execute(sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id)
                                  .where(Episode.id == episode_id))).first()
     if row is None:
         raise HTTPException(status_code=404, detail=f"episode {episode_id} not found")
     episode, instance_id = row
-    turns = (await session.scalars(sa.select(Turn).where(Turn.episode_id == episode_id).order_by(Turn.idx))).all()
+    query = sa.select(Turn).where(Turn.episode_id == episode_id, Turn.idx >= turns_offset).order_by(Turn.idx)
+    turns = (await session.scalars(query.limit(turns_limit) if turns_limit else query)).all()
     out = _episode(episode, instance_id) | {"report": episode.report, "diff": episode.diff,
                                            "segment_starts": episode.segment_starts, "turns": []}
     for t in turns:

@@ -1,0 +1,131 @@
+"""HTML pages: runs, a run, an episode, suites, a suite, a task. Data comes from the same
+queries as the REST API; the pages' scripts read the REST API and the events stream."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import sqlalchemy as sa
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
+
+from service.api.deps import SessionDep
+from service.api.routes.runs import _episode, get_run, progress
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Policy, Run, Suite, Task, Turn
+from service.ui import HERE
+
+router = APIRouter(include_in_schema=False)
+templates = Jinja2Templates(directory=HERE / "templates")
+FIRST_TURNS = 50
+
+
+def _page(request: Request, name: str, **context) -> HTMLResponse:
+    return templates.TemplateResponse(request, name, context)
+
+
+def diff_lines(diff: str | None) -> list[tuple[str, str]]:
+    """(css class, line) for a unified diff; the template escapes the text."""
+    out = []
+    for line in (diff or "").splitlines():
+        kind = ("meta" if line.startswith(("diff --git", "index ", "--- ", "+++ ")) else
+                "hunk" if line.startswith("@@") else "add" if line.startswith("+") else
+                "del" if line.startswith("-") else "ctx")  # fmt: skip
+        out.append((kind, line))
+    return out
+
+
+@router.get("/", response_class=HTMLResponse)
+async def runs_page(request: Request, session: SessionDep, limit: int = Query(100, ge=1, le=1000)):
+    runs = (await session.scalars(sa.select(Run).order_by(Run.created_at.desc()).limit(limit))).all()
+    total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
+    items = [await progress(session, r) for r in runs]
+    return _page(request, "runs.html", runs=items, total=total, active=RUN_ACTIVE_STATUSES,
+                 final=EPISODE_FINAL_STATUSES, token_required=not request.app.state.settings.local_mode)
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
+    run = await get_run(session, run_id)
+    state = await progress(session, run)
+    tasks = (await session.execute(
+        sa.select(Task.instance_id, sa.func.count(Episode.id), sa.func.avg(Episode.reward), sa.func.avg(Episode.n_turns),
+                  sa.func.avg(Episode.input_tokens + Episode.output_tokens))
+        .join(Episode, Episode.task_id == Task.id).where(Episode.run_id == run_id)
+        .group_by(Task.instance_id).order_by(Task.instance_id))).all()
+    episodes = (await session.execute(
+        sa.select(Episode.id, Episode.status, Episode.reward, Episode.n_turns, Episode.input_tokens,
+                  Episode.output_tokens, Episode.policy_version_min, Episode.finished_at, Task.instance_id,
+                  Episode.sample_index)
+        .join(Task, Task.id == Episode.task_id).where(Episode.run_id == run_id)
+        .order_by(Task.instance_id, Episode.sample_index))).all()
+    series = {
+        "finished": [{"t": e.finished_at.isoformat() if e.finished_at else None, "reward": e.reward,
+                      "version": e.policy_version_min, "turns": e.n_turns,
+                      "tokens": (e.input_tokens or 0) + (e.output_tokens or 0)}
+                     for e in episodes if e.status in EPISODE_FINAL_STATUSES],
+    }
+    policies = (await session.execute(sa.select(Policy.version, Policy.info).order_by(Policy.version))).all()
+    trainer = [{"version": v, **{k: (info or {}).get(k) for k in ("loss", "mismatch_kl", "entropy", "masked_fraction",
+                                                                  "reward_mean", "staleness_mean")}}
+               for v, info in policies if info]
+    return _page(request, "run.html", run=state, tasks=tasks, episodes=episodes,
+                 series_json=json.dumps(series), trainer_json=json.dumps(trainer), has_trainer=bool(trainer),
+                 config_json=json.dumps(run.config, indent=1), active=RUN_ACTIVE_STATUSES)
+
+
+@router.get("/episodes/{episode_id}", response_class=HTMLResponse)
+async def episode_page(request: Request, session: SessionDep, episode_id: uuid.UUID):
+    row = (await session.execute(sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id)
+                                 .where(Episode.id == episode_id))).first()
+    if row is None:
+        raise HTTPException(status_code=404, detail=f"episode {episode_id} not found")
+    episode, instance_id = row
+    turns = (await session.scalars(sa.select(Turn).where(Turn.episode_id == episode_id).order_by(Turn.idx)
+                                   .limit(FIRST_TURNS))).all()
+    siblings = (await session.execute(sa.select(Episode.id).join(Task, Task.id == Episode.task_id)
+                                      .where(Episode.run_id == episode.run_id)
+                                      .order_by(Task.instance_id, Episode.sample_index))).scalars().all()
+    at = siblings.index(episode.id)
+    report = episode.report or {}
+    return _page(request, "episode.html", e=_episode(episode, instance_id), turns=turns, report=report,
+                 tests=_tests(report), diff=diff_lines(episode.diff), more=episode.n_turns > len(turns),
+                 prev_id=siblings[at - 1] if at > 0 else None,
+                 next_id=siblings[at + 1] if at + 1 < len(siblings) else None,
+                 tool_json=lambda t: json.dumps(t, indent=1, ensure_ascii=False))
+
+
+def _tests(report: dict) -> list[tuple[str, str, str]]:
+    """(list, test, status) from a grading report: FAIL_TO_PASS and PASS_TO_PASS outcomes."""
+    out = []
+    for group, key in (("FAIL_TO_PASS", "fail_to_pass"), ("PASS_TO_PASS", "pass_to_pass")):
+        results = report.get(key) or {}
+        for status in ("success", "failure"):
+            out += [(group, test, "passed" if status == "success" else "failed") for test in results.get(status, [])]
+    return out
+
+
+@router.get("/suites", response_class=HTMLResponse)
+async def suites_page(request: Request, session: SessionDep):
+    suites = (await session.scalars(sa.select(Suite).where(Suite.deleted_at.is_(None)).order_by(Suite.created_at.desc()))).all()
+    return _page(request, "suites.html", suites=suites)
+
+
+@router.get("/suites/{suite_id}", response_class=HTMLResponse)
+async def suite_page(request: Request, session: SessionDep, suite_id: uuid.UUID,
+                     offset: int = Query(0, ge=0), limit: int = Query(200, ge=1, le=1000)):  # fmt: skip
+    suite = await session.get(Suite, suite_id)
+    if suite is None or suite.deleted_at is not None:
+        raise HTTPException(status_code=404, detail=f"suite {suite_id} not found")
+    tasks = (await session.scalars(sa.select(Task).where(Task.suite_id == suite_id).order_by(Task.position)
+                                   .offset(offset).limit(limit))).all()
+    return _page(request, "suite.html", suite=suite, tasks=tasks, offset=offset, limit=limit)
+
+
+@router.get("/tasks/{task_id}", response_class=HTMLResponse)
+async def task_page(request: Request, session: SessionDep, task_id: uuid.UUID):
+    task = await session.get(Task, task_id)
+    if task is None:
+        raise HTTPException(status_code=404, detail=f"task {task_id} not found")
+    return _page(request, "task.html", task=task, validation=task.validation or {})

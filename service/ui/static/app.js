@@ -1,0 +1,253 @@
+// swerve UI: live updates from the events stream, charts, lazy turns, keyboard navigation.
+// Untrusted text (anything an agent or a task wrote) is only ever set with textContent.
+"use strict";
+
+function fmt(value, digits) {
+  if (value === null || value === undefined) return "–";
+  return typeof value === "number" && digits !== undefined ? value.toFixed(digits) : String(value);
+}
+
+function statusText(episodes) {
+  return Object.keys(episodes).sort().map((k) => `${k} ${episodes[k]}`).join(", ");
+}
+
+const FINAL = ["submitted", "max_turns", "context_exhausted", "timeout", "sandbox_error", "provider_error",
+  "reward_error", "cancelled"];
+
+function setField(root, name, text) {
+  root.querySelectorAll(`[data-field="${name}"]`).forEach((el) => { el.textContent = text; });
+}
+
+// Subscribe a container (a runs-table row, the run page's cards) to its run's progress.
+function live(root) {
+  const run = root.dataset.run;
+  if (!run || root.dataset.active !== "yes" || !window.EventSource) return;
+  const source = new EventSource(`/api/v1/events?run=${encodeURIComponent(run)}`);
+  source.addEventListener("progress", (event) => {
+    const p = JSON.parse(event.data);
+    const total = Object.values(p.episodes).reduce((a, b) => a + b, 0);
+    const done = Object.entries(p.episodes).filter(([k]) => FINAL.includes(k)).reduce((a, [, n]) => a + n, 0);
+    setField(root, "status", p.status);
+    setField(root, "episodes", statusText(p.episodes));
+    setField(root, "reward_mean", fmt(p.reward_mean, 3));
+    setField(root, "pass_at_1", fmt(p.pass_at_1, 3));
+    setField(root, "pass_at_k", fmt(p.pass_at_k, 3));
+    setField(root, "tokens", (p.tokens || 0).toLocaleString("en"));
+    setField(root, "episodes_per_s", fmt(p.episodes_per_s, 2));
+    setField(root, "done", String(done));
+    setField(root, "total", String(total));
+    root.querySelectorAll('progress[data-field="progress"]').forEach((bar) => { bar.max = total || 1; bar.value = done; });
+    const badge = document.getElementById("run-status");
+    if (badge) { badge.textContent = p.status; badge.className = `badge ${p.status}`; }
+    root.dataset.updates = String(Number(root.dataset.updates || 0) + 1);
+  });
+  source.addEventListener("end", () => source.close());
+}
+
+function authHeaders() {
+  const token = document.getElementById("token");
+  return token && token.value ? { Authorization: `Bearer ${token.value}` } : {};
+}
+
+function runsPage() {
+  document.querySelectorAll("tr[data-run]").forEach(live);
+  document.querySelectorAll("button.cancel").forEach((button) => {
+    button.addEventListener("click", async () => {
+      const response = await fetch(`/api/v1/runs/${encodeURIComponent(button.dataset.run)}/cancel`,
+        { method: "POST", headers: authHeaders() });
+      button.textContent = response.ok ? "cancelling" : `error ${response.status}`;
+      button.disabled = response.ok;
+    });
+  });
+}
+
+function histogram(values, bins) {
+  if (!values.length) return { labels: [], counts: [] };
+  const lo = Math.min(...values), hi = Math.max(...values);
+  const width = Math.max(1, Math.ceil((hi - lo + 1) / bins));
+  const counts = [];
+  const labels = [];
+  for (let start = lo; start <= hi; start += width) { labels.push(`${start}–${start + width - 1}`); counts.push(0); }
+  values.forEach((v) => { counts[Math.floor((v - lo) / width)] += 1; });
+  return { labels, counts };
+}
+
+function chart(id, config) {
+  const canvas = document.getElementById(id);
+  if (!canvas || !window.Chart) return;
+  config.options = Object.assign({ responsive: true, maintainAspectRatio: false, animation: false }, config.options || {});
+  new window.Chart(canvas, config);
+}
+
+function runPage() {
+  document.querySelectorAll(".cards[data-run]").forEach(live);
+  const data = document.getElementById("data");
+  const series = JSON.parse(data.dataset.series);
+  const trainer = JSON.parse(data.dataset.trainer);
+  const finished = series.finished.filter((e) => e.t).sort((a, b) => (a.t < b.t ? -1 : 1));
+  const graded = finished.filter((e) => e.reward !== null);
+  const window_ = 8;
+  chart("chart-reward-time", {
+    type: "line",
+    data: {
+      labels: graded.map((e) => e.t.slice(11, 19)),
+      datasets: [{ label: "reward (rolling mean)", data: graded.map((_, i) => {
+        const part = graded.slice(Math.max(0, i - window_ + 1), i + 1);
+        return part.reduce((a, e) => a + e.reward, 0) / part.length;
+      }), pointRadius: 0 }],
+    },
+    options: { scales: { y: { min: 0, max: 1 } } },
+  });
+  const byVersion = {};
+  graded.forEach((e) => { const v = e.version ?? 0; (byVersion[v] = byVersion[v] || []).push(e.reward); });
+  const versions = Object.keys(byVersion).map(Number).sort((a, b) => a - b);
+  chart("chart-reward-version", {
+    type: "bar",
+    data: {
+      labels: versions.map((v) => `v${v}`),
+      datasets: [
+        { label: "reward mean", data: versions.map((v) => byVersion[v].reduce((a, b) => a + b, 0) / byVersion[v].length) },
+        { label: "pass rate", data: versions.map((v) => byVersion[v].filter((r) => r === 1).length / byVersion[v].length) },
+      ],
+    },
+    options: { scales: { y: { min: 0, max: 1 } } },
+  });
+  const turns = histogram(finished.map((e) => e.turns || 0), 20);
+  chart("chart-length", { type: "bar", data: { labels: turns.labels, datasets: [{ label: "episodes", data: turns.counts }] } });
+  const tokens = histogram(finished.map((e) => e.tokens || 0), 20);
+  chart("chart-tokens", { type: "bar", data: { labels: tokens.labels, datasets: [{ label: "episodes", data: tokens.counts }] } });
+  if (trainer.length) {
+    chart("chart-trainer", {
+      type: "line",
+      data: {
+        labels: trainer.map((m) => `v${m.version}`),
+        datasets: ["loss", "mismatch_kl", "entropy", "masked_fraction"].map((k) => ({ label: k, data: trainer.map((m) => m[k]) })),
+      },
+    });
+  }
+  tableTools(document.getElementById("tasks"));
+}
+
+// Sort by clicking a header; filter rows with #task-filter.
+function tableTools(table) {
+  if (!table) return;
+  const body = table.tBodies[0];
+  table.querySelectorAll("th[data-sort]").forEach((th, column) => {
+    let ascending = true;
+    th.addEventListener("click", () => {
+      const numeric = th.dataset.sort === "num";
+      const rows = Array.from(body.rows);
+      rows.sort((a, b) => {
+        const x = a.cells[column].textContent, y = b.cells[column].textContent;
+        const cmp = numeric ? (parseFloat(x) || -1) - (parseFloat(y) || -1) : x.localeCompare(y);
+        return ascending ? cmp : -cmp;
+      });
+      ascending = !ascending;
+      rows.forEach((r) => body.appendChild(r));
+    });
+  });
+  const filter = document.getElementById("task-filter");
+  if (filter) {
+    filter.addEventListener("input", () => {
+      const needle = filter.value.toLowerCase();
+      Array.from(body.rows).forEach((r) => { r.hidden = needle && !r.cells[0].textContent.toLowerCase().includes(needle); });
+    });
+  }
+}
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined && text !== null) node.textContent = text;
+  return node;
+}
+
+function renderTurn(t) {
+  const li = el("li", "turn");
+  li.id = `turn-${t.idx}`;
+  li.tabIndex = -1;
+  li.dataset.idx = String(t.idx);
+  const head = el("div", "turn-head");
+  const link = el("a", null, `turn ${t.idx}`);
+  link.href = `#turn-${t.idx}`;
+  head.appendChild(link);
+  head.appendChild(el("span", "muted small",
+    `v${fmt(t.policy_version)} · ${t.n_input_tokens} in / ${t.n_output_tokens} out · model ${fmt(t.generation_s, 2)} s · tool ${fmt(t.tool_s, 2)} s · ${t.finish_reason || ""}`));
+  li.appendChild(head);
+  li.appendChild(el("pre", "assistant", t.text || ""));
+  if (t.tool_call) li.appendChild(el("pre", "tool-call", JSON.stringify(t.tool_call, null, 1)));
+  if (t.observation !== null && t.observation !== undefined) {
+    const details = el("details", "observation");
+    details.open = t.observation.length < 2000;
+    details.appendChild(el("summary", null, `observation (${t.observation.length.toLocaleString("en")} chars)`));
+    details.appendChild(el("pre", null, t.observation));
+    li.appendChild(details);
+  }
+  return li;
+}
+
+function episodePage() {
+  const nav = document.querySelector(".episode-nav");
+  const list = document.getElementById("turns");
+  const episode = nav.dataset.episode;
+  let loaded = Number(nav.dataset.loaded);
+  const total = Number(nav.dataset.turns);
+  async function loadMore() {
+    if (loaded >= total) return false;
+    const response = await fetch(`/api/v1/episodes/${encodeURIComponent(episode)}?turns_offset=${loaded}&turns_limit=100`);
+    const body = await response.json();
+    body.turns.forEach((t) => list.appendChild(renderTurn(t)));
+    loaded += body.turns.length;
+    const button = document.getElementById("more-turns");
+    if (button && loaded >= total) button.remove();
+    return body.turns.length > 0;
+  }
+  const button = document.getElementById("more-turns");
+  if (button) button.addEventListener("click", loadMore);
+  // load further turns as the reader approaches the end of the list
+  if (window.IntersectionObserver && button) {
+    new IntersectionObserver((entries) => { if (entries.some((e) => e.isIntersecting)) loadMore(); }).observe(button);
+  }
+  function turns() { return Array.from(list.querySelectorAll(".turn")); }
+  function current() {
+    const items = turns();
+    const hash = window.location.hash.replace("#turn-", "");
+    const at = items.findIndex((t) => t.dataset.idx === hash);
+    return at;
+  }
+  async function go(delta) {
+    let items = turns();
+    let at = current() + delta;
+    if (at >= items.length && await loadMore()) items = turns();
+    at = Math.max(0, Math.min(items.length - 1, at));
+    const target = items[at];
+    if (!target) return;
+    items.forEach((t) => t.classList.remove("current"));
+    target.classList.add("current");
+    history.replaceState(null, "", `#turn-${target.dataset.idx}`);
+    target.focus({ preventScroll: true });
+    target.scrollIntoView({ block: "start" });
+  }
+  document.addEventListener("keydown", (event) => {
+    if (event.target.tagName === "INPUT" || event.metaKey || event.ctrlKey || event.altKey) return;
+    if (event.key === "j") go(1);
+    else if (event.key === "k") go(-1);
+    else if (event.key === "n" && document.getElementById("next-episode")) window.location = document.getElementById("next-episode").href;
+    else if (event.key === "p" && document.getElementById("prev-episode")) window.location = document.getElementById("prev-episode").href;
+  });
+  if (window.location.hash.startsWith("#turn-")) {
+    const target = document.getElementById(window.location.hash.slice(1));
+    if (target) { target.classList.add("current"); target.scrollIntoView({ block: "start" }); }
+  }
+}
+
+function suitePage() { tableTools(document.getElementById("tasks")); }
+
+document.addEventListener("DOMContentLoaded", () => {
+  const page = document.body.dataset.page;
+  if (page === "runs") runsPage();
+  else if (page === "run") runPage();
+  else if (page === "episode") episodePage();
+  else if (page === "suite") suitePage();
+  document.body.dataset.ready = "yes";
+});
