@@ -20,6 +20,11 @@ def ping() -> dict:
 def episode(episode_id: str) -> str | None:
     """Run one episode to its final status on this process's shared event loop; trajectories
     go to the database, not the broker."""
+    from concurrent.futures import CancelledError
+
     from service.worker_runtime import runtime
 
-    return runtime().run(uuid.UUID(episode_id))
+    try:
+        return runtime().run(uuid.UUID(episode_id))
+    except CancelledError:  # the process is shutting down: the episode's heartbeat lapses and it restarts
+        return None

@@ -235,10 +235,16 @@ function episodePage() {
     else if (event.key === "n" && document.getElementById("next-episode")) window.location = document.getElementById("next-episode").href;
     else if (event.key === "p" && document.getElementById("prev-episode")) window.location = document.getElementById("prev-episode").href;
   });
-  if (window.location.hash.startsWith("#turn-")) {
+  function fromHash() {  // a deep link (#turn-N), on load or when the hash changes in place
+    if (!window.location.hash.startsWith("#turn-")) return;
     const target = document.getElementById(window.location.hash.slice(1));
-    if (target) { target.classList.add("current"); target.scrollIntoView({ block: "start" }); }
+    if (!target) return;
+    turns().forEach((t) => t.classList.remove("current"));
+    target.classList.add("current");
+    target.scrollIntoView({ block: "start" });
   }
+  window.addEventListener("hashchange", fromHash);
+  fromHash();
 }
 
 function suitePage() { tableTools(document.getElementById("tasks")); }

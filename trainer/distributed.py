@@ -1,0 +1,195 @@
+"""The trainer's model over several processes: torchtitan's FSDP2 (and expert parallelism for
+MoE models) applied to the model `trainer.model.build_model` builds, on CPU with gloo.
+
+    torchrun --nproc_per_node 2 -m trainer.distributed --model DIR --ep 1|2 --out FILE
+    python -m trainer.distributed --model DIR --out FILE        # one process: the reference
+
+`main` is an equivalence check, not a training loop: one optimizer step on a fixed batch with
+our `policy_loss`, writing the loss before and after the step and every parameter's gradient
+norm. Each rank takes its share of the batch as data parallelism would; the loss is normalised
+by the whole batch's sampled tokens, so the ranks' losses (and gradients) sum to those of one
+process on the whole batch, and the numbers must match the single-process run.
+
+CPU workarounds (torchtitan 0.3.0, torch 2.13, see ../shared/PLATFORM.md):
+- torchtitan picks its device type once at import, "cuda" when no accelerator is found, and
+  builds every mesh on it: `parallel_dims.device_type` is set to "cpu" before building meshes.
+- The "partial_dtensor" SPMD backend: torchtitan's default ("spmd_types") types every
+  activation over all mesh axes; the legacy path keeps data parallelism out of band (FSDP2
+  hooks), which is what runs here. It is set globally (`set_spmd_backend`) and on ParallelDims.
+- gloo has no PREMUL_SUM, which FSDP2's gradient reduce-scatter uses even with torchtitan's
+  divide factor of 1 ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): every FSDP module is forced
+  to plain SUM. Gradients are then summed over ranks, unscaled, so the loss carries the scale:
+  `policy_loss` divides by the whole batch's sampled tokens on every rank.
+- Expert parallelism needs each module's `sharding_config`, which torchtitan fills on the model
+  *config* before building (`set_qwen3_sharding_config`); build_model builds without it. We
+  annotate a copy of the config, build a twin on the meta device (free) and copy each module's
+  `_sharding_config` onto the real model by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer.loss import LossConfig, policy_loss, token_logprobs
+
+SPMD_BACKEND = "partial_dtensor"
+
+
+def _annotate_sharding(model, config, *, enable_ep: bool) -> None:
+    """Give every module of `model` the sharding_config torchtitan would have built it with."""
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    annotated = copy.deepcopy(config)
+    set_qwen3_sharding_config(annotated, enable_sp=False, enable_ep=enable_ep)
+    with torch.device("meta"):
+        twin = annotated.build()
+    twins = dict(twin.named_modules())
+    for name, module in model.named_modules():
+        sharding = getattr(twins.get(name), "_sharding_config", None)
+        if sharding is not None:
+            module._sharding_config = sharding
+
+
+def parallelize(model, config, *, world_size: int, fsdp: int = -1, ep: int = 1):
+    """Shard `model` (built by build_model, not yet run) in place over `world_size` gloo ranks:
+    FSDP2 over `fsdp` ranks (-1: all), routed experts split over `ep` ranks (MoE models). The
+    process group must be initialised. Returns torchtitan's ParallelDims (its meshes)."""
+    import torchtitan.distributed.parallel_dims as titan_parallel_dims
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    titan_parallel_dims.device_type = "cpu"  # torchtitan defaults to "cuda" without a GPU
+    set_spmd_backend(SPMD_BACKEND)
+    parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, expert_parallel_degree=ep,
+                                    enable_sequence_parallel=False, spmd_backend=SPMD_BACKEND)
+    dims = ParallelDims.from_config(parallelism, world_size)
+    dims.build_mesh()
+    if ep > 1:
+        _annotate_sharding(model, config, enable_ep=True)
+    # float32 parameters in forward: torchtitan's default casts them to bf16 (mixed precision)
+    training = TrainingConfig(mixed_precision_param="float32")
+    parallelize_qwen3(model, parallel_dims=dims, training=training, parallelism=parallelism,
+                      compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)  # gloo rejects PREMUL_SUM
+    return dims
+
+
+def fixed_batch(vocab: int, n_seqs: int = 2, seq_len: int = 64, prompt: int = 8,
+                seed: int = 0) -> list[dict]:  # fmt: skip
+    """`n_seqs` rows of one sequence each, as trainer.data packs them: random tokens, the first
+    `prompt` positions unsampled, sampler logprobs near a uniform model's, one advantage each."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_seqs):
+        tokens = torch.randint(0, vocab, (seq_len + 1,), generator=g)
+        mask = torch.arange(seq_len) >= prompt
+        inf = -torch.log(torch.tensor(float(vocab))) + 0.1 * torch.randn(seq_len, generator=g)
+        rows.append({"inputs": tokens[:-1], "targets": tokens[1:],
+                     "positions": torch.arange(seq_len), "seq_ids": torch.full((seq_len,), i),
+                     "loss_mask": mask,
+                     "inf_logprobs": torch.where(mask, inf, torch.zeros(seq_len)),
+                     "advantages": torch.full((seq_len,), 1.0 if i % 2 == 0 else -0.5)})
+    return rows
+
+
+def _batch_loss(model, rows, cfg: LossConfig, n_tokens: int, backward: bool) -> torch.Tensor:
+    """This rank's share of the batch loss (summed over its rows), backpropagated if asked."""
+    from trainer.model import forward_logits
+
+    total = torch.zeros(())
+    for t in rows:
+        logits = forward_logits(model, t["inputs"], t["positions"], t["seq_ids"])
+        logp, _ = token_logprobs(logits, t["targets"])
+        out = policy_loss(logp, t["inf_logprobs"], t["advantages"], t["loss_mask"], cfg,
+                          t["seq_ids"], total_tokens=n_tokens)
+        if backward:
+            out.loss.backward()
+        total += out.loss.detach()
+    return total
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly sharded) DTensor; a collective on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _layout(model) -> dict[str, str]:
+    """How each parameter is laid out: "mesh axes: placements" of its DTensor, "local" if none."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: f"{list(p.device_mesh.mesh_dim_names)}: {list(p.placements)}"
+            if isinstance(p, DTensor) else "local" for name, p in model.named_parameters()}
+
+
+def run_step(hf_dir: Path, *, world_size: int = 1, fsdp: int = -1, ep: int = 1,
+             lr: float = 1e-3) -> dict:  # fmt: skip
+    """One AdamW step on fixed_batch: the global loss before and after, and the gradient norms.
+    world_size 1 is the single-process reference; otherwise the process group must be up."""
+    from trainer.model import build_model
+
+    torch.manual_seed(0)
+    model, config, _ = build_model(hf_dir)
+    rank = dist.get_rank() if world_size > 1 else 0
+    if world_size > 1:
+        parallelize(model, config, world_size=world_size, fsdp=fsdp, ep=ep)
+    layout = _layout(model)  # before any forward: FSDP keeps the last layers unsharded after one
+    rows = fixed_batch(config.vocab_size)
+    n_tokens = int(sum(int(r["loss_mask"].sum()) for r in rows))
+    mine = rows[rank::world_size]  # with FSDP and EP only, every rank is a data-parallel rank
+    cfg = LossConfig(kl_coef=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def global_sum(x: torch.Tensor) -> float:
+        if world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return float(x)
+
+    started = time.perf_counter()
+    loss_before = global_sum(_batch_loss(model, mine, cfg, n_tokens, backward=True))
+    grad_norms = {name: float(_full(p.grad).norm()) for name, p in model.named_parameters()
+                  if p.grad is not None}
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        loss_after = global_sum(_batch_loss(model, mine, cfg, n_tokens, backward=False))
+    return {"loss_before": loss_before, "loss_after": loss_after, "grad_norms": grad_norms,
+            "layout": layout, "world_size": world_size, "fsdp": fsdp, "ep": ep,
+            "step_s": time.perf_counter() - started}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True, help="the policy's HF folder")
+    parser.add_argument("--fsdp", type=int, default=-1, help="FSDP2 degree (-1: the whole world)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file for rank 0's result")
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    try:
+        result = run_step(args.model, world_size=world_size, fsdp=args.fsdp, ep=args.ep)
+        if world_size == 1 or dist.get_rank() == 0:
+            args.out.write_text(json.dumps(result, indent=2))
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
