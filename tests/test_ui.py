@@ -62,3 +62,32 @@ async def test_missing_things_are_404(hostile):
 
     for path in (f"/runs/{uuid.uuid4()}", f"/episodes/{uuid.uuid4()}", f"/suites/{uuid.uuid4()}", f"/tasks/{uuid.uuid4()}"):
         assert (await client.get(path)).status_code == 404
+
+
+async def test_the_runs_list_reports_what_each_run_reports(hostile, db_url):
+    client, run_id, _ = hostile
+    engine = db.make_async_engine(db_url)
+    second, _ = await hostile_run(engine)
+    await engine.dispose()
+    listed = {r["id"]: r for r in (await client.get("/api/v1/runs")).json()["items"]}
+    assert set(listed) == {str(run_id), str(second)}
+    for rid in listed:
+        assert listed[rid] == (await client.get(f"/api/v1/runs/{rid}")).json()
+
+
+async def test_tokens_and_staleness(hostile, db_url):
+    import sqlalchemy as sa
+
+    from service.tables import Group
+
+    client, run_id, episodes = hostile
+    missing = await client.get(f"/api/v1/episodes/{episodes[0]}/tokens", params={"turn": 0})
+    assert missing.status_code == 409 and "/nonexistent" in missing.json()["detail"]  # names the tokenizer folder
+    assert (await client.get(f"/api/v1/episodes/{episodes[0]}/tokens", params={"turn": 99})).status_code == 404
+    engine = db.make_async_engine(db_url)
+    async with engine.begin() as conn:
+        await conn.execute(sa.update(Group).where(Group.run_id == run_id)
+                           .values(status="consumed", trainer_step=3, min_policy_version=0))
+    await engine.dispose()
+    html = (await client.get(f"/runs/{run_id}")).text
+    assert 'id="chart-staleness"' in html and "&#34;staleness&#34;: [2, 2]" in html

@@ -195,3 +195,20 @@ def test_progress_arrives_live(service, browser):
     assert row.locator("[data-field=done]").inner_text() == "2"
     p.shot("runs-live")
     assert p.errors == []
+
+
+def test_sampled_tokens_are_shaded_by_logprob(service, browser):
+    client = service["client"]
+    episode = client.get(f"/api/v1/runs/{service['model']}/episodes").json()["items"][0]
+    detail = client.get(f"/api/v1/episodes/{episode['id']}", params={"arrays": "json"}).json()
+    p = Page(browser, service["url"])
+    page = p.open(f"/episodes/{episode['id']}")
+    page.check("#shade")
+    page.wait_for_selector("#turn-0 pre.shaded .tok")
+    spans = page.locator("#turn-0 pre.shaded .tok")
+    assert spans.count() == len(detail["turns"][0]["output_ids"])
+    assert page.locator("#turn-0 pre.assistant:not(.shaded)").is_hidden()
+    p.shot("episode-shaded")
+    page.uncheck("#shade")
+    assert page.locator("#turn-0 pre.shaded").is_hidden()
+    assert p.errors == []

@@ -12,8 +12,8 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from service.api.deps import SessionDep
-from service.api.routes.runs import _episode, get_run, progress
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Policy, Run, Suite, Task, Turn
+from service.api.routes.runs import _episode, get_run, progress, progress_many
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Suite, Task, Turn
 from service.ui import HERE
 
 router = APIRouter(include_in_schema=False)
@@ -40,7 +40,7 @@ def diff_lines(diff: str | None) -> list[tuple[str, str]]:
 async def runs_page(request: Request, session: SessionDep, limit: int = Query(100, ge=1, le=1000)):
     runs = (await session.scalars(sa.select(Run).order_by(Run.created_at.desc()).limit(limit))).all()
     total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
-    items = [await progress(session, r) for r in runs]
+    items = await progress_many(session, list(runs))
     return _page(request, "runs.html", runs=items, total=total, active=RUN_ACTIVE_STATUSES,
                  final=EPISODE_FINAL_STATUSES, token_required=not request.app.state.settings.local_mode)
 
@@ -66,11 +66,16 @@ async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
                       "tokens": (e.input_tokens or 0) + (e.output_tokens or 0)}
                      for e in episodes if e.status in EPISODE_FINAL_STATUSES],
     }
+    consumed = (await session.execute(sa.select(Group.trainer_step, Group.min_policy_version).where(
+        Group.run_id == run_id, Group.status == "consumed", Group.trainer_step.is_not(None),
+        Group.min_policy_version.is_not(None)))).all()
+    # staleness of a consumed group: the step that trained on it minus its oldest sampling version
+    series["staleness"] = [(s - 1) - v for s, v in consumed]
     policies = (await session.execute(sa.select(Policy.version, Policy.info).order_by(Policy.version))).all()
     trainer = [{"version": v, **{k: (info or {}).get(k) for k in ("loss", "mismatch_kl", "entropy", "masked_fraction",
                                                                   "reward_mean", "staleness_mean")}}
                for v, info in policies if info]
-    return _page(request, "run.html", run=state, tasks=tasks, episodes=episodes,
+    return _page(request, "run.html", run=state, tasks=tasks, episodes=episodes, has_staleness=bool(consumed),
                  series_json=json.dumps(series), trainer_json=json.dumps(trainer), has_trainer=bool(trainer),
                  config_json=json.dumps(run.config, indent=1), active=RUN_ACTIVE_STATUSES)
 

@@ -62,6 +62,45 @@ async def progress(session, run: Run) -> dict:
     }  # fmt: skip
 
 
+async def progress_many(session, runs: list[Run]) -> list[dict]:
+    """progress() of many runs in three queries (the runs page lists hundreds)."""
+    ids = [r.id for r in runs]
+    if not ids:
+        return []
+    counts: dict[uuid.UUID, dict[str, int]] = {i: {} for i in ids}
+    for run_id, status, n in (await session.execute(
+            sa.select(Episode.run_id, Episode.status, sa.func.count()).where(Episode.run_id.in_(ids))
+            .group_by(Episode.run_id, Episode.status))).all():
+        counts[run_id][status] = n
+    aggs = {row[0]: row[1:] for row in (await session.execute(sa.select(
+        Episode.run_id, sa.func.avg(Episode.reward), sa.func.count(Episode.reward),
+        sa.func.coalesce(sa.func.sum(Episode.input_tokens + Episode.output_tokens), 0),
+        sa.func.min(Episode.started_at), sa.func.max(Episode.finished_at),
+    ).where(Episode.run_id.in_(ids)).group_by(Episode.run_id))).all()}
+    by_task: dict[uuid.UUID, list[tuple]] = {i: [] for i in ids}
+    for run_id, best, mean in (await session.execute(
+            sa.select(Episode.run_id, sa.func.max(Episode.reward), sa.func.avg(Episode.reward))
+            .where(Episode.run_id.in_(ids), Episode.reward.is_not(None))
+            .group_by(Episode.run_id, Episode.task_id))).all():
+        by_task[run_id].append((best, mean))
+    out = []
+    for run in runs:
+        reward, graded, tokens, start, end = aggs.get(run.id, (None, 0, 0, None, None))
+        elapsed = (end - start).total_seconds() if start and end else None
+        tasks, c = by_task[run.id], counts[run.id]
+        out.append({
+            "id": run.id, "name": run.name, "status": run.status, "suite_id": run.suite_id,
+            "created_at": run.created_at, "finished_at": run.finished_at, "episodes": c,
+            "reward_mean": reward, "graded": graded, "tokens": tokens,
+            "pass_at_1": sum(t[1] for t in tasks) / len(tasks) if tasks else None,
+            "pass_at_k": sum(1 for t in tasks if t[0] == 1.0) / len(tasks) if tasks else None,
+            "tokens_per_s": tokens / elapsed if elapsed else None,
+            "episodes_per_s": sum(n for st, n in c.items() if st in EPISODE_FINAL_STATUSES) / elapsed if elapsed else None,
+            "gate": run.gate, "owner": run.owner,
+        })  # fmt: skip
+    return out
+
+
 async def get_run(session, run_id: uuid.UUID) -> Run:
     run = await session.get(Run, run_id)
     if run is None:
@@ -73,7 +112,7 @@ async def get_run(session, run_id: uuid.UUID) -> Run:
 async def list_runs(session: SessionDep, limit: Limit = 50, offset: Offset = 0) -> dict:
     total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
     runs = (await session.scalars(sa.select(Run).order_by(Run.created_at.desc()).limit(limit).offset(offset))).all()
-    return {"items": [await progress(session, r) for r in runs], "total": total, "limit": limit, "offset": offset}
+    return {"items": await progress_many(session, list(runs)), "total": total, "limit": limit, "offset": offset}
 
 
 @router.get("/runs/{run_id}", responses={404: {"model": Problem}})
@@ -156,6 +195,30 @@ async def show_episode(session: SessionDep, episode_id: uuid.UUID,
             item |= {k: _array(getattr(t, k), arrays) for k in ("input_ids", "output_ids", "output_logprobs", "routed_experts")}
         out["turns"].append(item)
     return out
+
+
+@router.get("/episodes/{episode_id}/tokens", responses={404: {"model": Problem}, 409: {"model": Problem}})
+async def episode_tokens(session: SessionDep, episode_id: uuid.UUID,
+                         turn: Annotated[int, Query(ge=0, le=2**31 - 1)]) -> dict:
+    """A turn's sampled tokens, each decoded alone with the run's tokenizer, with its logprob
+    (for logprob shading in the episode viewer)."""
+    row = (await session.execute(sa.select(Turn.output_ids, Turn.output_logprobs, Run.config)
+                                 .join(Episode, Episode.id == Turn.episode_id).join(Run, Run.id == Episode.run_id)
+                                 .where(Turn.episode_id == episode_id, Turn.idx == turn))).first()
+    if row is None:
+        raise HTTPException(status_code=404, detail=f"episode {episode_id} has no turn {turn}")
+    tokenizer_dir = (row.config.get("policy") or {}).get("tokenizer")
+    try:
+        from service.rollout import _tokenizer
+
+        tok = await asyncio.to_thread(_tokenizer, str(tokenizer_dir))
+    except Exception as e:  # noqa: BLE001 - any loading failure: say which folder
+        raise HTTPException(status_code=409, detail=f"the run's tokenizer {tokenizer_dir} cannot be loaded: "
+                                                    f"{type(e).__name__}") from e
+    ids = decode_array(row.output_ids).tolist()
+    logprobs = decode_array(row.output_logprobs).tolist() if row.output_logprobs else [None] * len(ids)
+    return {"turn": turn, "tokens": [{"id": i, "text": tok.decode([i], skip_special_tokens=False), "logprob": lp}
+                                     for i, lp in zip(ids, logprobs)]}
 
 
 @router.get("/events", responses={404: {"model": Problem}})

@@ -116,6 +116,10 @@ function runPage() {
   chart("chart-length", { type: "bar", data: { labels: turns.labels, datasets: [{ label: "episodes", data: turns.counts }] } });
   const tokens = histogram(finished.map((e) => e.tokens || 0), 20);
   chart("chart-tokens", { type: "bar", data: { labels: tokens.labels, datasets: [{ label: "episodes", data: tokens.counts }] } });
+  if (series.staleness && series.staleness.length) {
+    const stale = histogram(series.staleness, 10);
+    chart("chart-staleness", { type: "bar", data: { labels: stale.labels, datasets: [{ label: "groups", data: stale.counts }] } });
+  }
   if (trainer.length) {
     chart("chart-trainer", {
       type: "line",
@@ -196,7 +200,11 @@ function episodePage() {
     if (loaded >= total) return false;
     const response = await fetch(`/api/v1/episodes/${encodeURIComponent(episode)}?turns_offset=${loaded}&turns_limit=100`);
     const body = await response.json();
-    body.turns.forEach((t) => list.appendChild(renderTurn(t)));
+    body.turns.forEach((t) => {
+      const li = renderTurn(t);
+      list.appendChild(li);
+      if (shade && shade.checked) shadeTurn(li);
+    });
     loaded += body.turns.length;
     const button = document.getElementById("more-turns");
     if (button && loaded >= total) button.remove();
@@ -235,6 +243,35 @@ function episodePage() {
     else if (event.key === "n" && document.getElementById("next-episode")) window.location = document.getElementById("next-episode").href;
     else if (event.key === "p" && document.getElementById("prev-episode")) window.location = document.getElementById("prev-episode").href;
   });
+  // logprob shading: each sampled token of a turn as its own span, darker when less likely
+  const shade = document.getElementById("shade");
+  async function shadeTurn(li) {
+    if (li.dataset.shaded) return;
+    li.dataset.shaded = "yes";
+    const response = await fetch(`/api/v1/episodes/${encodeURIComponent(episode)}/tokens?turn=${li.dataset.idx}`);
+    if (!response.ok) { li.dataset.shaded = `error ${response.status}`; return; }
+    const body = await response.json();
+    const pre = el("pre", "assistant shaded");
+    body.tokens.forEach((t) => {
+      const span = el("span", "tok", t.text);
+      const p = t.logprob === null ? 1 : Math.exp(t.logprob);
+      span.style.backgroundColor = `rgba(220, 38, 38, ${(0.6 * (1 - p)).toFixed(3)})`;
+      span.title = t.logprob === null ? "no logprob" : `logprob ${t.logprob.toFixed(3)} (p ${p.toFixed(3)})`;
+      pre.appendChild(span);
+    });
+    const plain = li.querySelector("pre.assistant");
+    plain.hidden = true;
+    plain.after(pre);
+  }
+  if (shade) {
+    shade.addEventListener("change", () => {
+      turns().forEach((li) => {
+        const shaded = li.querySelector("pre.shaded"), plain = li.querySelector("pre.assistant:not(.shaded)");
+        if (shade.checked) { if (shaded) { shaded.hidden = false; plain.hidden = true; } else shadeTurn(li); }
+        else if (shaded) { shaded.hidden = true; plain.hidden = false; }
+      });
+    });
+  }
   function fromHash() {  // a deep link (#turn-N), on load or when the hash changes in place
     if (!window.location.hash.startsWith("#turn-")) return;
     const target = document.getElementById(window.location.hash.slice(1));
