@@ -37,6 +37,16 @@ def missing_service(what: str) -> None:
     pytest.skip(f"{what} not available")
 
 
+def require_torchtitan() -> None:
+    """At the top of a trainer test module: skip on a laptop without torchtitan, fail in CI."""
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        if services_required():
+            raise
+        pytest.skip("torchtitan is not installed (make install)", allow_module_level=True)
+
+
 @pytest.fixture(scope="session")
 def pg_admin_url() -> str:
     engine = db.make_engine(PG_ADMIN_URL)

@@ -19,14 +19,9 @@ from service.tables import Episode, Group, Policy
 from service.tiny_model import TinyModelSpec, init_tiny
 from tests.test_orchestrator import make_run
 
-try:
-    import torchtitan  # noqa: F401
-except ImportError:
-    from tests.conftest import services_required
+from tests.conftest import require_torchtitan  # noqa: E402
 
-    if services_required():
-        raise
-    pytest.skip("torchtitan is not installed (make install)", allow_module_level=True)
+require_torchtitan()
 
 
 @pytest.fixture(scope="module")

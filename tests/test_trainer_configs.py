@@ -9,14 +9,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import torchtitan  # noqa: F401
-except ImportError:
-    from tests.conftest import services_required
+from tests.conftest import require_torchtitan  # noqa: E402
 
-    if services_required():
-        raise
-    pytest.skip("torchtitan is not installed (make install)", allow_module_level=True)
+require_torchtitan()
 
 from trainer.layout import LayoutError, check
 from trainer.train import load_config

@@ -13,14 +13,9 @@ from tests.conftest import auth, client_for, make_settings
 from tests.test_rollout_e2e import BROKER, SUITE, wait_for_run, worker  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-try:
-    import torchtitan  # noqa: F401
-except ImportError:
-    from tests.conftest import services_required
+from tests.conftest import require_torchtitan  # noqa: E402
 
-    if services_required():
-        raise
-    pytest.skip("torchtitan is not installed (make install)", allow_module_level=True)
+require_torchtitan()
 
 
 async def start_run(client, suite_id: str, url: str, model_dir) -> str:
