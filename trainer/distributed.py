@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
             args.out.write_text(json.dumps(result, indent=2))
     finally:
         if world_size > 1:
+            # every rank leaves together: tearing gloo down while a peer still has collectives in
+            # flight aborted a rank ("terminate called without an active exception") under load
+            dist.barrier()
             dist.destroy_process_group()
 
 
