@@ -88,6 +88,9 @@ class FleetConfig(BaseModel):
     backoff_s: float = Field(0.5, gt=0)
     """First retry delay; doubles each try, with jitter, up to 30 s."""
     health_interval_s: float = Field(10.0, gt=0)
+    version_poll_s: float = Field(1.0, gt=0)
+    """How often the served policy version of every server is read (a trainer elsewhere reloads
+    them); a new session reads its server's version before its first request too."""
     reload_method: str = "swerve_reload_weights"
     """collective_rpc method for reload(): our worker extension's (repacks MoE experts on CPU);
     "reload_weights" for servers started without it."""
@@ -120,6 +123,7 @@ class VLLMClient:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         self._health_task: asyncio.Task | None = None
+        self._version_task: asyncio.Task | None = None
 
     async def __aenter__(self) -> VLLMClient:
         return await self.start()
@@ -132,11 +136,13 @@ class VLLMClient:
         if not any(ep.healthy for ep in self.endpoints):
             raise ProviderError(f"no healthy inference server among {[e.url for e in self.endpoints]}")
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        self._version_task = asyncio.get_running_loop().create_task(self._version_loop())
         return self
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._version_task):
+            if task is not None:
+                task.cancel()
         await self._http.aclose()
 
     @property
@@ -159,6 +165,11 @@ class VLLMClient:
         ep.model, ep.max_model_len = match["id"], int(match["max_model_len"])
         ep.version = _parse_version(info.json().get("weight_version")) if info.status_code == 200 else 0
         ep.healthy, ep.failures = True, 0
+
+    async def _version_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.version_poll_s)
+            await self.refresh_versions()
 
     async def _health_loop(self) -> None:
         while True:
@@ -197,7 +208,10 @@ class VLLMClient:
         delay = self.cfg.backoff_s
         last_error = ""
         for attempt in range(self.cfg.max_retries + 1):
+            new_session = session is not None and session not in self._affinity
             ep = self._pick(session)
+            if new_session:  # the version of an episode's first turn is read, not polled
+                await self._check_version(ep)
             if ep.max_model_len and len(token_ids) + sampling.max_tokens > ep.max_model_len:
                 raise ContextExceeded(len(token_ids), sampling.max_tokens, ep.max_model_len)
             try:
@@ -228,14 +242,12 @@ class VLLMClient:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-        await self._check_version(ep)  # a trainer elsewhere may have reloaded the server
         version, started = ep.version, time.perf_counter()
         ep.inflight += 1
         try:
             response = (await self._http.post(f"{ep.url}/v1/completions", json=body)).raise_for_status()
         finally:
             ep.inflight -= 1
-        await self._check_version(ep)  # a reload may have happened while this request ran
         choice = response.json()["choices"][0]
         output_ids = list(choice["token_ids"])
         logprobs = list(choice["logprobs"]["token_logprobs"]) if choice.get("logprobs") else []
