@@ -82,21 +82,20 @@ class EmbeddedOptions:
 
 
 async def progress_counts(engine: AsyncEngine, run_id: uuid.UUID) -> dict:
+    """The API's progress of the run, with the token split and the turns for the summary."""
+    from service.api.routes.runs import progress
+    from service.db import session_factory
     from service.tables import Episode, Run
 
-    async with engine.connect() as conn:
-        status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
-        counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count())
-                                          .where(Episode.run_id == run_id).group_by(Episode.status))).all())
-        agg = (await conn.execute(sa.select(
-            sa.func.avg(Episode.reward), sa.func.count(Episode.reward),
+    async with session_factory(engine)() as session:
+        state = await progress(session, await session.get(Run, run_id))
+        split = (await session.execute(sa.select(
             sa.func.coalesce(sa.func.sum(Episode.input_tokens), 0), sa.func.coalesce(sa.func.sum(Episode.output_tokens), 0),
             sa.func.coalesce(sa.func.sum(Episode.n_turns), 0)).where(Episode.run_id == run_id))).one()  # fmt: skip
-    return {"status": status, "episodes": counts, "reward_mean": agg[0], "graded": agg[1],
-            "input_tokens": agg[2], "output_tokens": agg[3], "turns": agg[4]}
+    return state | {"input_tokens": split[0], "output_tokens": split[1], "turns": split[2]}
 
 
-def summary_table(run_id: uuid.UUID, state: dict, by_task: list[tuple], elapsed_s: float):
+def summary_table(run_id: uuid.UUID, state: dict, elapsed_s: float):
     from rich.table import Table
 
     from service.tables import EPISODE_FINAL_STATUSES
@@ -111,22 +110,13 @@ def summary_table(run_id: uuid.UUID, state: dict, by_task: list[tuple], elapsed_
         table.add_row(f"  {status}", str(n))
     reward = state["reward_mean"]
     table.add_row("reward mean", "-" if reward is None else f"{reward:.3f} over {state['graded']} graded")
-    if by_task:
-        table.add_row("pass@1", f"{sum(r[2] for r in by_task) / len(by_task):.3f} over {len(by_task)} tasks")
-        table.add_row("pass@k", f"{sum(1 for r in by_task if r[1] == 1.0) / len(by_task):.3f}")
+    if state["pass_at_1"] is not None:
+        table.add_row("pass@1", f"{state['pass_at_1']:.3f}")
+        table.add_row("pass@k", f"{state['pass_at_k']:.3f}")
     table.add_row("turns", f"{state['turns']} ({state['turns'] / max(final, 1):.1f} per episode)")
     table.add_row("tokens", f"{state['input_tokens']:,} in, {state['output_tokens']:,} sampled")
     table.add_row("time", f"{elapsed_s:.1f} s ({final / max(elapsed_s, 1e-9):.2f} episodes/s)")
     return table
-
-
-async def _by_task(engine: AsyncEngine, run_id: uuid.UUID) -> list[tuple]:
-    from service.tables import Episode
-
-    async with engine.connect() as conn:
-        return list((await conn.execute(sa.select(Episode.task_id, sa.func.max(Episode.reward), sa.func.avg(Episode.reward))
-                                        .where(Episode.run_id == run_id, Episode.reward.is_not(None))
-                                        .group_by(Episode.task_id))).all())
 
 
 async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> str:
@@ -185,7 +175,7 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
                 if state["status"] not in ("pending", "running", "cancelling"):
                     break
                 await asyncio.sleep(0.5)
-        console.print(summary_table(run_id, state, await _by_task(engine, run_id), time.monotonic() - started))
+        console.print(summary_table(run_id, state, time.monotonic() - started))
         if opts.serve_after:
             console.print(f"the service stays up: http://{opts.host}:{opts.port}/  "
                           f"(API docs: http://{opts.host}:{opts.port}/docs); Ctrl-C stops it")

@@ -96,15 +96,14 @@ async def _own(conn: AsyncConnection, run_id: uuid.UUID, owner: str, lease_s: fl
 async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: Callable[[str], None],
                 owner: str, lease_s: float, fleet_version: int | None, takeover: bool = False) -> str | None:  # fmt: skip
     async with engine.begin() as conn:
-        if not await _own(conn, run_id, owner, lease_s):
-            status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
-            return status if status not in RUN_ACTIVE_STATUSES else "not owner"
+        owned = await _own(conn, run_id, owner, lease_s)
         run_status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+        if not owned:
+            return run_status if run_status not in RUN_ACTIVE_STATUSES else "not owner"
         counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count())
                                           .where(Episode.run_id == run_id).group_by(Episode.status))).all())
         resend = await _lost(conn, run_id, cfg, all_queued=takeover)
         in_flight = counts.get("queued", 0) + counts.get("running", 0)
-        gate = None
         if run_status == "cancelling" or await _failing(conn, run_id, cfg.max_consecutive_failures):
             final = "cancelled" if run_status == "cancelling" else "failed"
             pending = (await conn.execute(sa.select(Episode.id).where(
@@ -119,8 +118,7 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
             if starts:
                 await conn.execute(sa.update(Episode).where(Episode.id.in_(starts))
                                    .values(status="queued", queued_at=utcnow()))
-            await conn.execute(sa.update(Run).where(Run.id == run_id, sa.or_(Run.gate.is_(None), Run.gate != gate))
-                               .values(gate=gate))
+            await conn.execute(sa.update(Run).where(Run.id == run_id).values(gate=gate))
             pending, final = [], None
     if final is None:
         for episode_id in starts + resend:

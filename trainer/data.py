@@ -87,23 +87,32 @@ def episode_sequences(turns: list[dict], advantage: float, episode_id=None) -> l
     return out
 
 
+def group_advantages_of(group, cfg: DataConfig) -> tuple[list, np.ndarray] | None:
+    """The group's trainable episodes (rewarded, with turns) and their advantages; None when the
+    group teaches nothing (no such episode, or every advantage zero)."""
+    episodes = [e for e in group.episodes if e.reward is not None and e.turns]
+    if not episodes:
+        return None
+    if cfg.advantage_one:
+        return episodes, np.ones(len(episodes))
+    adv = group_advantages([float(e.reward) for e in episodes], cfg)
+    return None if np.all(np.abs(adv) < cfg.eps) else (episodes, adv)
+
+
 def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], BatchStats]:
     """`groups`: buffer.GroupData. Episodes without a reward (harness failures) are excluded."""
     stats = BatchStats()
     out: list[Sequence] = []
     for group in groups:
         stats.groups += 1
-        episodes = [e for e in group.episodes if e.reward is not None and e.turns]
-        stats.excluded_episodes += len(group.episodes) - len(episodes)
-        if not episodes:
+        rewarded = [e for e in group.episodes if e.reward is not None and e.turns]
+        stats.excluded_episodes += len(group.episodes) - len(rewarded)
+        stats.rewards += [float(e.reward) for e in rewarded]
+        useful = group_advantages_of(group, cfg)
+        if useful is None:
             stats.zero_advantage_groups += 1
             continue
-        rewards = [float(e.reward) for e in episodes]
-        stats.rewards += rewards
-        adv = np.ones(len(episodes)) if cfg.advantage_one else group_advantages(rewards, cfg)
-        if not cfg.advantage_one and np.all(np.abs(adv) < cfg.eps):
-            stats.zero_advantage_groups += 1
-            continue
+        episodes, adv = useful
         stats.advantages += adv.tolist()
         for e, a in zip(episodes, adv):
             stats.episodes += 1

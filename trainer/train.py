@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.data import DataConfig, pack, packing_efficiency, sequences_from_groups
 from trainer.loss import LossConfig, policy_loss, token_logprobs
+from trainer.model import forward_logits
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -152,17 +153,11 @@ class Trainer:
         self.crash_after_commit: int | None = None
         (self.dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
-    async def version(self) -> int:
-        from service.tables import Policy
-
-        async with self.engine.connect() as conn:
-            return await conn.scalar(sa.select(sa.func.max(Policy.version))) or 0
-
     async def claim(self):
         """Claims holding groups_per_step useful groups (of the run, if set), and those groups.
         Groups that teach nothing (all advantages zero, no rewarded episode) ride along in the
         claims: consumed with the step and counted, never handed out again."""
-        from trainer.data import sequences_from_groups
+        from trainer.data import group_advantages_of
 
         deadline = time.monotonic() + self.cfg.wait_s
         claims, useful, dropped, useless = [], [], 0, 0
@@ -174,8 +169,7 @@ class Trainer:
             if claim.group_ids:
                 claims.append(claim)
                 for group in await self.buffer.load(claim):
-                    seqs, _ = sequences_from_groups([group], self.cfg.data)
-                    if seqs:
+                    if group_advantages_of(group, self.cfg.data) is not None:
                         useful.append(group)
                     else:
                         useless += 1
@@ -201,8 +195,6 @@ class Trainer:
                 continue
             t = {k: torch.from_numpy(np.ascontiguousarray(getattr(row, k)))
                  for k in ("inputs", "targets", "positions", "loss_mask", "inf_logprobs", "advantages", "seq_ids")}
-            from trainer.model import forward_logits
-
             experts = row.routed_experts if cfg.router_replay and self.moe_layers else None
             logits = forward_logits(self.model, t["inputs"], t["positions"], t["seq_ids"], experts)
             logp, entropy = token_logprobs(logits, t["targets"])

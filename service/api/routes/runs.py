@@ -39,27 +39,8 @@ async def create(request: Request, engine: EngineDep, cfg: RunConfig) -> dict:
 
 
 async def progress(session, run: Run) -> dict:
-    counts = dict((await session.execute(sa.select(Episode.status, sa.func.count())
-                                         .where(Episode.run_id == run.id).group_by(Episode.status))).all())
-    agg = (await session.execute(sa.select(
-        sa.func.avg(Episode.reward), sa.func.count(Episode.reward),
-        sa.func.coalesce(sa.func.sum(Episode.input_tokens + Episode.output_tokens), 0),
-        sa.func.min(Episode.started_at), sa.func.max(Episode.finished_at),
-    ).where(Episode.run_id == run.id))).one()
-    by_task = (await session.execute(sa.select(Episode.task_id, sa.func.max(Episode.reward), sa.func.avg(Episode.reward))
-                                     .where(Episode.run_id == run.id, Episode.reward.is_not(None))
-                                     .group_by(Episode.task_id))).all()
-    elapsed = (agg[4] - agg[3]).total_seconds() if agg[3] and agg[4] else None
-    return {
-        "id": run.id, "name": run.name, "status": run.status, "suite_id": run.suite_id,
-        "created_at": run.created_at, "finished_at": run.finished_at, "episodes": counts,
-        "reward_mean": agg[0], "graded": agg[1], "tokens": agg[2],
-        "pass_at_1": sum(r[2] for r in by_task) / len(by_task) if by_task else None,
-        "pass_at_k": sum(1 for r in by_task if r[1] == 1.0) / len(by_task) if by_task else None,
-        "tokens_per_s": agg[2] / elapsed if elapsed else None,
-        "episodes_per_s": sum(n for s, n in counts.items() if s in EPISODE_FINAL_STATUSES) / elapsed if elapsed else None,
-        "gate": run.gate, "owner": run.owner,
-    }  # fmt: skip
+    """A run's counts by status, reward mean, pass@1 / pass@k over tasks, tokens, throughput."""
+    return (await progress_many(session, [run]))[0]
 
 
 async def progress_many(session, runs: list[Run]) -> list[dict]:
