@@ -174,17 +174,9 @@ def golden_step(tiny_dir: Path) -> dict:
                   "routed_experts": None} for k in range(3)]
         episodes.append(EpisodeData(uuid.UUID(int=i), i, "submitted", reward, 0, turns))
     group = GroupData(uuid.UUID(int=10), uuid.UUID(int=11), uuid.UUID(int=12), episodes)
-    cfg = TrainerConfig(model=tiny_dir, out_dir=Path("/nonexistent"), data={"seq_len": 40},
+    cfg = TrainerConfig(model=tiny_dir, out_dir=Path("/nonexistent"), data={"seq_len": 40}, device="cpu", seed=0,
                         loss={"kl_coef": 0.1, "clamp": 3.0, "ratio_low": 0.0, "ratio_high": 1e9})
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = cfg
-    from trainer.model import build_model
-
-    torch.manual_seed(0)
-    trainer.model, _, _ = build_model(tiny_dir)
-    trainer.moe_layers = 0
-    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
-    return trainer.train_step([group])
+    return Trainer(cfg).train_step([group])
 
 
 def test_golden_loss(tiny):

@@ -82,16 +82,17 @@ def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = torch.float32):
+def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu"):  # fmt: skip
     """(model, config, adapter): a torchtitan model holding the Hugging Face weights."""
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     config = titan_config(hf_dir, attn_backend)
     with torch.device("meta"):
         model = config.build()
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))
+        model.init_states(buffer_device=torch.device(device))
     adapter = Qwen3StateDictAdapter(config, str(hf_dir))
     state = adapter.from_hf(load_hf_weights(hf_dir))
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -102,12 +103,80 @@ def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = t
     return model.to(dtype), config, adapter
 
 
+def apply_activation_checkpointing(model, mode: str) -> None:
+    """torchtitan's activation checkpointing on every transformer block: "full" recomputes each
+    block in backward, "selective" saves the matmuls' outputs and recomputes the rest (torchtitan's
+    default save list); "none" leaves the model alone. Must come before FSDP wrapping."""
+    if mode == "none":
+        return
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    ac = FullAC.Config() if mode == "full" else SelectiveAC.Config()
+    ac.build().apply(model)
+
+
+def apply_float8(model) -> int:
+    """float8 training (torchao's Float8Linear, dynamic tensorwise scaling) for the attention and
+    dense MLP linears of the transformer blocks; the embeddings, the vocabulary projection, the
+    router gates and linears whose dimensions are not multiples of 16 stay in high precision.
+    Returns the number of linears converted. Needs torchao and a GPU with float8 matmuls."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ValueError("parallelism.float8: torchao is not installed (pip install torchao); "
+                         "or set it false") from e
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError("parallelism.float8: float8 matmuls need a GPU of compute capability 8.9 or "
+                         "later (H100, H200, L40S); set it false here")
+    converted: list[str] = []
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        ok = (isinstance(module, torch.nn.Linear) and fqn.startswith("layers.") and ".router" not in fqn
+              and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
+    return len(converted)
+
+
+def packs_documents(model) -> bool:
+    """Whether the model's attention takes packed-document masks (flex / varlen), so a packed
+    row runs as one sequence; SDPA models run each document separately."""
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    cached = getattr(model, "_swerve_packs_documents", None)
+    if cached is None:
+        cached = any(isinstance(m, (FlexAttention, VarlenAttention)) for m in model.modules())
+        model._swerve_packs_documents = cached
+    return cached
+
+
 def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-                   routed_experts=None) -> torch.Tensor:  # fmt: skip
-    """Logits [L, vocab] for one packed row, each document attending only to itself: documents
-    run as separate sequences (SDPA cannot take packed-document masks). With routed_experts
-    [L, layers, top_k], MoE layers replay those expert choices (trainer/replay.py)."""
+                   routed_experts=None, *, head: bool = True) -> torch.Tensor:  # fmt: skip
+    """Logits [L, vocab] for one packed row, each document attending only to itself: one pass
+    with a document mask on flex/varlen models, documents as separate sequences on SDPA ones.
+    With routed_experts [L, layers, top_k], MoE layers replay those expert choices
+    (trainer/replay.py). head=False: the final hidden states [L, dim] instead of logits."""
+    skip = model._skip_lm_head
+    model._skip_lm_head = not head
+    try:
+        return _forward(model, inputs, positions, seq_ids, routed_experts)
+    finally:
+        model._skip_lm_head = skip
+
+
+def _forward(model, inputs, positions, seq_ids, routed_experts):
     from trainer.replay import replaying
+
+    if packs_documents(model):  # one pass; the document mask comes from positions restarting at 0
+        pos = positions.unsqueeze(0)
+        masks = model.get_attention_masks(pos)
+        if routed_experts is not None:
+            with replaying(model, routed_experts):
+                return model(inputs.unsqueeze(0), pos, attention_masks=masks)[0]
+        return model(inputs.unsqueeze(0), pos, attention_masks=masks)[0]
     out = []
     start = 0
     n = len(inputs)
@@ -116,7 +185,8 @@ def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids
         while end < n and seq_ids[end] == seq_ids[start] and positions[end] != 0:
             end += 1
         if seq_ids[start] < 0:  # padding: no loss there, no need to run it
-            out.append(torch.zeros(end - start, model.config.vocab_size))
+            width = model.config.dim if model._skip_lm_head else model.config.vocab_size
+            out.append(torch.zeros(end - start, width, device=inputs.device))
         elif routed_experts is not None:
             with replaying(model, routed_experts[start:end]):
                 out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
@@ -124,3 +194,30 @@ def forward_logits(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids
             out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
         start = end
     return torch.cat(out)
+
+
+def forward_logprobs(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
+                     targets: torch.Tensor, routed_experts=None, *, chunk: int = 0):  # fmt: skip
+    """(log p(target) [L] with gradient, entropy [L] without) for one packed row.
+
+    chunk > 0: the vocabulary projection and log-softmax run `chunk` positions at a time under
+    activation checkpointing, so a 131k-token row never holds [L, vocab] logits (40 GB in bf16
+    for a 152k vocabulary): each chunk's logits are made in forward, dropped, and made again in
+    backward. chunk = 0: logits for the whole row at once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from trainer.loss import token_logprobs
+
+    if chunk <= 0 or len(inputs) <= chunk:
+        return token_logprobs(forward_logits(model, inputs, positions, seq_ids, routed_experts), targets)
+    hidden = forward_logits(model, inputs, positions, seq_ids, routed_experts, head=False)
+
+    def piece(h: torch.Tensor, t: torch.Tensor):
+        return token_logprobs(model.lm_head(h), t)
+
+    logps, entropies = [], []
+    for s in range(0, len(inputs), chunk):
+        logp, entropy = checkpoint(piece, hidden[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)

@@ -27,8 +27,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.data import DataConfig, pack, packing_efficiency, sequences_from_groups
-from trainer.loss import LossConfig, policy_loss, token_logprobs
-from trainer.model import forward_logits
+from trainer.loss import LossConfig, policy_loss
+from trainer.model import forward_logprobs
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -93,6 +93,11 @@ class TrainerConfig(BaseModel):
     """A torchtitan registry model, "family:flavor" (e.g. "deepseek_v3:671B"), for real-size
     configs whose weights live on the cluster; None: built from `model`'s config.json."""
     parallelism: ParallelismConfig = ParallelismConfig()
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: the GPU of this process's local rank when there is one, else the CPU."""
+    logprob_chunk: int = Field(8192, ge=0)
+    """Positions per vocabulary projection + log-softmax, recomputed in backward, so long rows
+    never hold whole-row logits (0: whole rows)."""
     router_replay: bool = True
     """MoE: route tokens to the experts the sampler recorded (R3) when the turns carry them."""
     checkpoint_every: int = Field(1, ge=1)
@@ -112,6 +117,13 @@ class TrainerConfig(BaseModel):
         if self.sft:
             self.data = self.data.model_copy(update={"advantage_one": True})
         return self
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        if self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ValueError("device: cuda asked for, but torch sees no GPU (set device = \"cpu\" or \"auto\")")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 def load_config(path: Path, overrides: list[str] = ()) -> TrainerConfig:
@@ -134,24 +146,32 @@ def load_config(path: Path, overrides: list[str] = ()) -> TrainerConfig:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, engine):
+    def __init__(self, cfg: TrainerConfig, engine=None):
+        """engine None: the model, optimizer and step alone (benchmarks, the golden test); the
+        loop (`run`) needs the database."""
         from service.buffer import Buffer
-        from trainer.model import build_model
-
-        self.cfg, self.engine, self.buffer = cfg, engine, Buffer(engine)
-        self.dir = cfg.out_dir / cfg.name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.seed)
-        self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend)
-        self.model.train()
+        from trainer.model import apply_activation_checkpointing, apply_float8, build_model
         from trainer.replay import enable
 
+        self.cfg, self.engine = cfg, engine
+        self.buffer = Buffer(engine) if engine is not None else None
+        self.dir = cfg.out_dir / cfg.name
+        self.device = cfg.torch_device()
+        torch.manual_seed(cfg.seed)
+        dtype = torch.bfloat16 if cfg.parallelism.param_dtype == "bfloat16" else torch.float32
+        self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend, dtype, self.device)
+        self.model.train()
         self.moe_layers = enable(self.model)
+        if cfg.parallelism.float8:
+            apply_float8(self.model)
+        apply_activation_checkpointing(self.model, cfg.parallelism.activation_checkpoint)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         self.step = 0
         self.crash_after_commit: int | None = None
-        (self.dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        if engine is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     async def claim(self):
         """Claims holding groups_per_step useful groups (of the run, if set), and those groups.
@@ -193,11 +213,13 @@ class Trainer:
         for row in rows:
             if not row.loss_mask.any():
                 continue
-            t = {k: torch.from_numpy(np.ascontiguousarray(getattr(row, k)))
+            t = {k: torch.from_numpy(np.ascontiguousarray(getattr(row, k))).to(self.device)
                  for k in ("inputs", "targets", "positions", "loss_mask", "inf_logprobs", "advantages", "seq_ids")}
-            experts = row.routed_experts if cfg.router_replay and self.moe_layers else None
-            logits = forward_logits(self.model, t["inputs"], t["positions"], t["seq_ids"], experts)
-            logp, entropy = token_logprobs(logits, t["targets"])
+            experts = None
+            if cfg.router_replay and self.moe_layers and row.routed_experts is not None:
+                experts = torch.from_numpy(np.ascontiguousarray(row.routed_experts)).to(self.device)
+            logp, entropy = forward_logprobs(self.model, t["inputs"], t["positions"], t["seq_ids"], t["targets"],
+                                             experts, chunk=cfg.logprob_chunk)
             # SFT: no sampler to correct for (scripted "samples" carry logprob 0): ratio 1, plain NLL
             inf = logp.detach() if cfg.sft else t["inf_logprobs"]
             out = policy_loss(logp, inf, t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
