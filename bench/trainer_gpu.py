@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -44,6 +45,31 @@ if not hasattr(_fsdp, "DataParallelMeshDims"):  # torch < 2.12: torchtitan 0.3.0
     _fsdp.DataParallelMeshDims = DataParallelMeshDims
 
 RESULTS: dict = {}
+
+
+def _torch_compat() -> list[str]:
+    """torchtitan 0.3.0 targets torch 2.13; the GPU machine has 2.11, whose create_block_mask
+    has no `separate_full_blocks` (an optimisation switch): drop it there. Returns what it did."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
+        return []
+    import torchtitan.models.common.attention as attention
+    import torchtitan.models.common.decoder as decoder
+
+    if os.environ.get("SWERVE_FLEX_AUTOTUNE", "0") != "1":  # minutes of autotuning per shape otherwise
+        attention.FlexAttention._compiled_flex_attn = torch.compile(attention.flex_attention)
+        attention.FlexAttention.inductor_configs = {"triton.cudagraphs": False}
+    compiled = attention._compiled_create_block_mask
+
+    def create_attention_mask(*args, **kwargs):
+        kwargs.pop("separate_full_blocks", None)
+        return compiled(*args, **kwargs)
+
+    attention.create_attention_mask = decoder.create_attention_mask = create_attention_mask
+    return ["create_block_mask without separate_full_blocks"]
 
 QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_attention_heads=64,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=131072,
@@ -88,7 +114,9 @@ def packed_row(vocab: int, lengths: list[int], seq_len: int, device, seed: int =
     row = {"inputs": torch.cat(inputs), "positions": torch.cat(positions), "seq_ids": torch.cat(seq_ids),
            "loss_mask": torch.cat(mask)}
     row["targets"] = torch.roll(row["inputs"], -1)
-    row["inf_logprobs"] = torch.where(row["loss_mask"], -torch.rand(seq_len, generator=g) * 5, 0.0)
+    # sampler logprobs near a random-weight model's (about uniform), so ratios stay in the trust region
+    inf = -torch.log(torch.tensor(float(vocab))) + 0.1 * torch.randn(seq_len, generator=g)
+    row["inf_logprobs"] = torch.where(row["loss_mask"], inf, 0.0)
     row["advantages"] = torch.where(row["seq_ids"] % 2 == 0, 1.0, -0.5) * row["loss_mask"]
     return {k: v.to(device) for k, v in row.items()}
 
@@ -107,6 +135,7 @@ def env(device) -> dict:
     import torchtitan
 
     out["torchtitan"] = getattr(torchtitan, "__version__", "?")
+    out["compat_shims"] = _torch_compat()
     try:
         import torchao
 
@@ -299,20 +328,29 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated section prefixes (default: all)")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp/swerve-gpu-bench"))
     args = parser.parse_args()
     device = torch.device(args.device)
     started = time.perf_counter()
+    only = [p for p in args.only.split(",") if p]
+
+    def wanted(name: str) -> bool:
+        return not only or any(name.startswith(p) for p in only)
+
     env(device)
-    tiny_attention(args.models, device)
-    tiny_golden(args.models, device)
-    tiny_chunked(args.models, device)
-    tiny_replay(args.models, device)
+    for name, fn in (("tiny_attention", tiny_attention), ("tiny_golden", tiny_golden),
+                     ("tiny_chunked", tiny_chunked), ("tiny_router_replay", tiny_replay)):
+        if wanted(name):
+            fn(args.models, device)
     lengths = [512, 2048] if args.small else [32768, 131072]
-    section("slice_qwen3_32b_4layers_bf16")(run_slice)("qwen3_32b", QWEN3_32B, 4, lengths, device, args.small, args.tmp)
-    section("slice_qwen3_235b_a22b_2layers_bf16")(run_slice)("qwen3_235b", QWEN3_235B, 2, lengths[:1], device,
-                                                            args.small, args.tmp)
-    if device.type == "cuda":
+    if wanted("slice_qwen3_32b"):
+        section("slice_qwen3_32b_4layers_bf16")(run_slice)("qwen3_32b", QWEN3_32B, 4, lengths, device, args.small,
+                                                          args.tmp)
+    if wanted("slice_qwen3_235b"):
+        section("slice_qwen3_235b_a22b_2layers_bf16")(run_slice)("qwen3_235b", QWEN3_235B, 2, lengths[:1], device,
+                                                                args.small, args.tmp)
+    if device.type == "cuda" and wanted("slice_float8"):
         section("slice_qwen3_32b_4layers_float8")(run_slice)("qwen3_32b_fp8", QWEN3_32B, 4, lengths[:1], device,
                                                             args.small, args.tmp, float8=True)
     RESULTS["total_s"] = round(time.perf_counter() - started, 1)
