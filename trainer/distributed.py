@@ -58,10 +58,11 @@ def _annotate_sharding(model, config, *, enable_ep: bool) -> None:
             module._sharding_config = sharding
 
 
-def parallelize(model, config, *, world_size: int, fsdp: int = -1, ep: int = 1):
-    """Shard `model` (built by build_model, not yet run) in place over `world_size` gloo ranks:
-    FSDP2 over `fsdp` ranks (-1: all), routed experts split over `ep` ranks (MoE models). The
-    process group must be initialised. Returns torchtitan's ParallelDims (its meshes)."""
+def parallelize(model, config, *, world_size: int, fsdp: int = -1, ep: int = 1, device_type: str = "cpu"):
+    """Shard `model` (built by build_model, not yet run) in place over `world_size` ranks
+    (gloo on CPU, NCCL on GPUs): FSDP2 over `fsdp` ranks (-1: all), routed experts split over
+    `ep` ranks (MoE models). The process group must be initialised. Returns torchtitan's
+    ParallelDims (its meshes)."""
     import torchtitan.distributed.parallel_dims as titan_parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -69,7 +70,7 @@ def parallelize(model, config, *, world_size: int, fsdp: int = -1, ep: int = 1):
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
-    titan_parallel_dims.device_type = "cpu"  # torchtitan defaults to "cuda" without a GPU
+    titan_parallel_dims.device_type = device_type  # torchtitan defaults to "cuda" without a GPU
     set_spmd_backend(SPMD_BACKEND)
     parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, expert_parallel_degree=ep,
                                     enable_sequence_parallel=False, spmd_backend=SPMD_BACKEND)
@@ -83,7 +84,7 @@ def parallelize(model, config, *, world_size: int, fsdp: int = -1, ep: int = 1):
                       compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="")
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)  # gloo rejects PREMUL_SUM
+            module.set_force_sum_reduction_for_comms(True)  # gloo rejects PREMUL_SUM; NCCL gets the same sums
     return dims
 
 

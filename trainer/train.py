@@ -13,22 +13,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import time
 import tomllib
 import uuid
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import sqlalchemy as sa
 import torch
+import torch.distributed as dist
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.data import DataConfig, pack, packing_efficiency, sequences_from_groups
+from trainer.data import BatchStats, DataConfig, Row, pack, packing_efficiency, sequences_from_groups
 from trainer.loss import LossConfig, policy_loss
-from trainer.model import forward_logprobs
+from trainer.model import forward_logprobs, packs_documents
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -126,6 +130,17 @@ class TrainerConfig(BaseModel):
         return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
+@dataclass
+class Batch:
+    """One step's data, packed: what rank 0 hands every rank."""
+
+    rows: list[Row]
+    stats: BatchStats
+    truncated: int
+    n_tokens: int
+    n_seqs: int
+
+
 def load_config(path: Path, overrides: list[str] = ()) -> TrainerConfig:
     """The TOML file, with `--a.b=value` overrides (values parsed as JSON when they parse)."""
     raw = tomllib.loads(Path(path).read_text())
@@ -146,9 +161,14 @@ def load_config(path: Path, overrides: list[str] = ()) -> TrainerConfig:
 
 
 class Trainer:
+    """The training loop. Under torchrun (WORLD_SIZE > 1) every process runs it: the model is
+    sharded over the processes (FSDP2, expert parallelism), rank 0 alone talks to the database
+    and the fleet, hands every rank the same packed batch, and each rank trains on its share
+    of the batch's micro-batches."""
+
     def __init__(self, cfg: TrainerConfig, engine=None):
-        """engine None: the model, optimizer and step alone (benchmarks, the golden test); the
-        loop (`run`) needs the database."""
+        """engine None on rank 0: the model, optimizer and step alone (benchmarks, the golden
+        test); the loop (`run`) needs the database there."""
         from service.buffer import Buffer
         from trainer.model import apply_activation_checkpointing, apply_float8, build_model
         from trainer.replay import enable
@@ -156,22 +176,46 @@ class Trainer:
         self.cfg, self.engine = cfg, engine
         self.buffer = Buffer(engine) if engine is not None else None
         self.dir = cfg.out_dir / cfg.name
-        self.device = cfg.torch_device()
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        par = cfg.parallelism
+        if self.world > 1 or par.world_size > 1:
+            _check_distributed(par, self.world)
+        self.device = cfg.torch_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.manual_seed(cfg.seed)
-        dtype = torch.bfloat16 if cfg.parallelism.param_dtype == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if par.param_dtype == "bfloat16" else torch.float32
         self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend, dtype, self.device)
         self.model.train()
         self.moe_layers = enable(self.model)
-        if cfg.parallelism.float8:
+        if par.float8:
             apply_float8(self.model)
-        apply_activation_checkpointing(self.model, cfg.parallelism.activation_checkpoint)
+        apply_activation_checkpointing(self.model, par.activation_checkpoint)
+        if self.world > 1:
+            from trainer.distributed import parallelize
+
+            parallelize(self.model, self.model_cfg, world_size=self.world, fsdp=par.data_parallel_shard_degree,
+                        ep=par.expert_parallel_degree, device_type=self.device.type)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                            weight_decay=cfg.optim.weight_decay)
         self.step = 0
         self.crash_after_commit: int | None = None
-        if engine is not None:
+        if engine is not None and self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+
+    # ---- ranks -------------------------------------------------------------------------------------
+
+    def _share(self, obj):
+        """Rank 0's `obj` on every rank (no-op in one process)."""
+        if self.world == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
 
     async def claim(self):
         """Claims holding groups_per_step useful groups (of the run, if set), and those groups.
@@ -201,60 +245,138 @@ class Trainer:
             await asyncio.sleep(1.0)
         return claims, useful, dropped, useless
 
-    def train_step(self, groups) -> dict:
-        cfg = self.cfg
-        sequences, stats = sequences_from_groups(groups, cfg.data)
-        rows, truncated = pack(sequences, cfg.data.seq_len)
+    def prepare(self, groups) -> Batch:
+        """Sequences of the groups' turns, packed into rows (rank 0; the batch every rank trains on)."""
+        sequences, stats = sequences_from_groups(groups, self.cfg.data)
+        rows, truncated = pack(sequences, self.cfg.data.seq_len)
         n_tokens = int(sum(r.loss_mask.sum() for r in rows))
         n_seqs = len({(i, sid) for i, r in enumerate(rows) for sid in set(r.seq_ids[r.loss_mask].tolist())})
-        self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {"loss": 0.0, "mismatch_kl": 0.0, "masked_fraction": 0.0, "entropy": 0.0}
-        started = time.perf_counter()
-        for row in rows:
-            if not row.loss_mask.any():
+        return Batch(rows, stats, truncated, n_tokens, n_seqs)
+
+    def train_step(self, groups) -> dict:
+        """Gradients of one batch (one process): prepare + train_batch."""
+        return self.train_batch(self.prepare(groups))
+
+    def micro_batches(self, rows: list[Row]) -> list[tuple[int, int, int] | None]:
+        """This rank's micro-batches, (row, start, end): whole rows in one process and on
+        models that pack documents; under FSDP with SDPA (one forward per document anyway),
+        documents, spread over the ranks by tokens. Every rank gets the same number: a rank
+        with fewer pads with None (an idle pass), since every forward and backward of a sharded
+        model is a collective all ranks must join."""
+        whole = self.world == 1 or packs_documents(self.model)
+        units = []
+        for i, r in enumerate(rows):
+            if not r.loss_mask.any():
                 continue
-            t = {k: torch.from_numpy(np.ascontiguousarray(getattr(row, k))).to(self.device)
+            if whole:
+                units.append((i, 0, len(r.inputs)))
+                continue
+            starts = np.flatnonzero(r.positions == 0)
+            for s, e in zip(starts, [*starts[1:], len(r.inputs)]):
+                if r.seq_ids[s] >= 0 and r.loss_mask[s:e].any():
+                    units.append((i, int(s), int(e)))
+        if self.world == 1:
+            return units
+        loads, shares = [0] * self.world, [[] for _ in range(self.world)]
+        for unit in sorted(units, key=lambda u: (u[1] - u[2], u)):  # longest first, to the least loaded
+            k = loads.index(min(loads))
+            shares[k].append(unit)
+            loads[k] += unit[2] - unit[1]
+        longest = max(len(share) for share in shares)
+        mine = sorted(shares[self.rank])
+        return mine + [None] * (longest - len(mine))
+
+    def _idle_pass(self) -> None:
+        """A one-token forward and backward with zero loss: joins the collectives of a step."""
+        x = torch.zeros(1, dtype=torch.long, device=self.device)
+        logp, _ = forward_logprobs(self.model, x, x, x, x)
+        (logp.sum() * 0.0).backward()
+
+    def train_batch(self, batch: Batch) -> dict:
+        """Forward and backward of this rank's share of the batch (gradients accumulate; the
+        loss is normalised by the whole batch), metrics summed over the ranks, gradients clipped."""
+        cfg = self.cfg
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(4, dtype=torch.float64)  # loss, and mismatch KL, masked fraction, entropy token-weighted
+        started = time.perf_counter()
+        for unit in self.micro_batches(batch.rows):
+            if unit is None:
+                self._idle_pass()
+                continue
+            i, s, e = unit
+            row = batch.rows[i]
+            t = {k: torch.from_numpy(np.ascontiguousarray(getattr(row, k)[s:e])).to(self.device)
                  for k in ("inputs", "targets", "positions", "loss_mask", "inf_logprobs", "advantages", "seq_ids")}
             experts = None
             if cfg.router_replay and self.moe_layers and row.routed_experts is not None:
-                experts = torch.from_numpy(np.ascontiguousarray(row.routed_experts)).to(self.device)
+                experts = torch.from_numpy(np.ascontiguousarray(row.routed_experts[s:e])).to(self.device)
             logp, entropy = forward_logprobs(self.model, t["inputs"], t["positions"], t["seq_ids"], t["targets"],
                                              experts, chunk=cfg.logprob_chunk)
             # SFT: no sampler to correct for (scripted "samples" carry logprob 0): ratio 1, plain NLL
             inf = logp.detach() if cfg.sft else t["inf_logprobs"]
             out = policy_loss(logp, inf, t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
-                              total_tokens=n_tokens, total_sequences=n_seqs)
+                              total_tokens=batch.n_tokens, total_sequences=batch.n_seqs)
             out.loss.backward()
-            weight = out.metrics["sampled_tokens"] / max(n_tokens, 1)
-            totals["loss"] += out.loss.item()
-            totals["mismatch_kl"] += out.metrics["mismatch_kl"] * weight
-            totals["masked_fraction"] += out.metrics["masked_fraction"] * weight
-            totals["entropy"] += float(entropy[t["loss_mask"]].mean()) * weight
+            weight = out.metrics["sampled_tokens"] / max(batch.n_tokens, 1)
+            sums += torch.tensor([out.loss.item(), out.metrics["mismatch_kl"] * weight,
+                                  out.metrics["masked_fraction"] * weight,
+                                  float(entropy[t["loss_mask"]].mean()) * weight], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(sums)
         grad_norm = None
         if cfg.optim.grad_clip is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            if self.world > 1:  # over every rank's shards, expert and non-expert meshes alike
+                from torchtitan.distributed.utils import clip_grad_norm_
+
+                norm = clip_grad_norm_(params, cfg.optim.grad_clip,
+                                       ep_enabled=cfg.parallelism.expert_parallel_degree > 1)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         elapsed = time.perf_counter() - started
+        stats, rows = batch.stats, batch.rows
         used = sum(r.used for r in rows)
-        return totals | {
+        loss, kl, masked, entropy = sums.tolist()
+        return {
+            "loss": loss, "mismatch_kl": kl, "masked_fraction": masked, "entropy": entropy,
             "reward_mean": float(np.mean(stats.rewards)) if stats.rewards else None,
             "advantage_mean": float(np.mean(stats.advantages)) if stats.advantages else None,
             "advantage_std": float(np.std(stats.advantages)) if stats.advantages else None,
             "groups": stats.groups, "zero_advantage_groups": stats.zero_advantage_groups,
             "episodes": stats.episodes, "excluded_episodes": stats.excluded_episodes,
-            "sampled_tokens": n_tokens, "tokens": used, "truncated_tokens": truncated,
+            "sampled_tokens": batch.n_tokens, "tokens": used, "truncated_tokens": batch.truncated,
             "packing_efficiency": packing_efficiency(rows), "grad_norm": grad_norm,
-            "step_s": elapsed, "tokens_per_s": used / elapsed if elapsed else None,
+            "step_s": elapsed, "tokens_per_s": used / elapsed if elapsed else None, "ranks": self.world,
         }  # fmt: skip
 
-    def publish_weights(self, version: int) -> Path:
-        """The weights in the inference model's layout: safetensors + config + tokenizer."""
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's parameters and buffers in float32 on the CPU, on rank 0 (None on the
+        others); sharded tensors are gathered, a collective every rank joins."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for k, v in self.model.state_dict().items():
+            if isinstance(v, DTensor):
+                v = v.full_tensor()
+            if self.rank == 0:
+                out[k] = v.detach().to("cpu", torch.float32).contiguous()
+        return out if self.rank == 0 else None
+
+    def publish_weights(self, version: int) -> Path | None:
+        """The weights in the inference model's layout: safetensors + config + tokenizer, written
+        by rank 0 (every rank joins the gather)."""
         from safetensors.torch import save_file
 
+        state = self.full_state()
+        if state is None:
+            return None
         out = self.dir / "weights" / f"v{version}"
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        state = {k: v.detach().to(torch.float32).contiguous() for k, v in self.model.state_dict().items()}
         hf = self.adapter.to_hf(state)
         save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp / "model.safetensors"))
         shutil.copy(self.cfg.model / "config.json", tmp / "config.json")
@@ -269,7 +391,9 @@ class Trainer:
         from service.inference import FleetConfig, VLLMClient
         from service.tables import Policy, utcnow
 
-        path = self.publish_weights(version)
+        path = await asyncio.to_thread(self.publish_weights, version)
+        if self.rank != 0:
+            return []
         async with self.engine.begin() as conn:
             await conn.execute(sa.insert(Policy).values(version=version, weights_path=str(path),
                                                         trainer_step=self.step, created_at=utcnow(),
@@ -293,17 +417,22 @@ class Trainer:
         return sorted(found)
 
     def save_checkpoint(self) -> Path:
-        """Model and optimizer state through torch.distributed.checkpoint (sharded when the
-        model is; one process here). torchtitan's fused QKV renames its keys in state_dict
-        hooks, so the plain module and optimizer state dicts are saved, not get_state_dict's."""
+        """Model and optimizer state through torch.distributed.checkpoint, each rank writing its
+        own shards. torchtitan's fused QKV renames its keys in state_dict hooks, so the plain
+        module and optimizer state dicts are saved, not get_state_dict's."""
         import torch.distributed.checkpoint as dcp
 
         path = self.dir / "checkpoints" / f"step-{self.step}"
-        shutil.rmtree(path, ignore_errors=True)
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        self._barrier()
         dcp.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}, checkpoint_id=str(path))
-        (path / "COMPLETE").write_text(json.dumps({"step": self.step}))  # written last: a torn save is ignored
-        for _, old in self.checkpoints()[:-self.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        if self.rank == 0:
+            (path / "COMPLETE").write_text(json.dumps({"step": self.step, "ranks": self.world}))  # last: a torn save is ignored
+            for _, old in self.checkpoints()[:-self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
         return path
 
     def load_checkpoint(self, path: Path, step: int) -> None:
@@ -333,54 +462,78 @@ class Trainer:
         """Back to the last checkpoint (or the initial weights): later steps never happened."""
         from service.tables import Group, Policy
 
-        found = self.checkpoints()
+        found = self._share(self.checkpoints())  # rank 0's view: the ranks load the same one
         if found:
             step, path = found[-1]
             await asyncio.to_thread(self.load_checkpoint, path, step)
         else:
             self.step = 0
-        async with self.engine.begin() as conn:
-            undone = sa.update(Group).where(Group.status == "consumed", Group.trainer_step > self.step)
-            if self.cfg.run_id is not None:
-                undone = undone.where(Group.run_id == self.cfg.run_id)
-            back = await conn.execute(undone.values(status="ready", claim_id=None, claim_expires_at=None,
-                                                    consumed_at=None, trainer_step=None))
-            withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > self.step))
-        if back.rowcount or withdrawn.rowcount:
-            logger.warning("resumed at step %d: %d group(s) back to the buffer, %d policy version(s) withdrawn",
-                           self.step, back.rowcount, withdrawn.rowcount)
-        if self.step == 0:
-            await self._record_initial_policy()
-        else:  # died between the checkpoint and the publication: publish now
-            async with self.engine.connect() as conn:
-                published = await conn.scalar(sa.select(Policy.version).where(Policy.version == self.step))
-            if published is None:
-                await self.publish(self.step, {"republished": True})
-        if self.cfg.endpoints:  # the fleet serves what this trainer now is, before anything else happens
-            path = (self.dir / "weights" / f"v{self.step}") if self.step else self.cfg.model
-            if self.step and not path.exists():
-                path = await asyncio.to_thread(self.publish_weights, self.step)
+        publish = write = False
+        if self.rank == 0:
+            async with self.engine.begin() as conn:
+                undone = sa.update(Group).where(Group.status == "consumed", Group.trainer_step > self.step)
+                if self.cfg.run_id is not None:
+                    undone = undone.where(Group.run_id == self.cfg.run_id)
+                back = await conn.execute(undone.values(status="ready", claim_id=None, claim_expires_at=None,
+                                                        consumed_at=None, trainer_step=None))
+                withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > self.step))
+            if back.rowcount or withdrawn.rowcount:
+                logger.warning("resumed at step %d: %d group(s) back to the buffer, %d policy version(s) withdrawn",
+                               self.step, back.rowcount, withdrawn.rowcount)
+            if self.step == 0:
+                await self._record_initial_policy()
+            else:  # died between the checkpoint and the publication: publish now
+                async with self.engine.connect() as conn:
+                    published = await conn.scalar(sa.select(Policy.version).where(Policy.version == self.step))
+                publish = published is None
+                write = bool(self.cfg.endpoints) and not (self.dir / "weights" / f"v{self.step}").exists()
+        publish, write = self._share((publish, write))
+        if publish:
+            await self.publish(self.step, {"republished": True})
+        elif write:
+            await asyncio.to_thread(self.publish_weights, self.step)
+        if self.cfg.endpoints and self.rank == 0:  # the fleet serves what this trainer now is, before anything else
             from service.inference import FleetConfig, VLLMClient
 
+            path = (self.dir / "weights" / f"v{self.step}") if self.step else self.cfg.model
             async with VLLMClient(FleetConfig(endpoints=self.cfg.endpoints, model=self.cfg.served_model)) as fleet:
                 if fleet.version != self.step or found:
                     await fleet.reload(str(Path(path).resolve()), self.step)
+        self._barrier()
 
     async def run(self) -> list[dict]:
         from service.buffer import ClaimLost
 
+        if self.rank == 0 and self.buffer is None:
+            raise ValueError("Trainer.run needs a database engine")
         await self.resume()
         history = []
         while self.cfg.steps == 0 or len(history) < self.cfg.steps:
-            claims, groups, dropped, useless = await self.claim()
-            staleness = [self.step - g.episodes[0].policy_version_min for g in groups
-                         if g.episodes and g.episodes[0].policy_version_min is not None]
-            metrics = await asyncio.to_thread(self.train_step, groups)
-            try:
-                for claim in claims:  # consumed by the step that makes version step+1
-                    await self.buffer.commit(claim, trainer_step=self.step + 1)
-            except ClaimLost as e:  # the lease ran out: the groups went back; do not apply this step
-                logger.warning("step %d discarded: %s", self.step, e)
+            news = None
+            if self.rank == 0:
+                try:
+                    claims, groups, dropped, useless = await self.claim()
+                    staleness = [self.step - g.episodes[0].policy_version_min for g in groups
+                                 if g.episodes and g.episodes[0].policy_version_min is not None]
+                    news = ("batch", self.prepare(groups), dropped, useless, staleness)
+                except Exception as e:
+                    self._share(("error", f"{type(e).__name__}: {e}"))  # the other ranks stop too
+                    raise
+            news = self._share(news)
+            if news[0] == "error":
+                raise RuntimeError(f"rank 0 stopped: {news[1]}")
+            _, batch, dropped, useless, staleness = news
+            metrics = await asyncio.to_thread(self.train_batch, batch)
+            lost = None
+            if self.rank == 0:
+                try:
+                    for claim in claims:  # consumed by the step that makes version step+1
+                        await self.buffer.commit(claim, trainer_step=self.step + 1)
+                except ClaimLost as e:  # the lease ran out: the groups went back; do not apply this step
+                    lost = str(e)
+            lost = self._share(lost)
+            if lost is not None:
+                logger.warning("step %d discarded: %s", self.step, lost)
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
             self.optimizer.step()
@@ -393,9 +546,10 @@ class Trainer:
                         "staleness_mean": float(np.mean(staleness)) if staleness else None,
                         "staleness_max": max(staleness) if staleness else None}
             metrics["reloaded"] = await self.publish(self.step, metrics)
-            with open(self.dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            logger.info("step %d: %s", self.step, {k: metrics[k] for k in ("loss", "reward_mean", "mismatch_kl")})
+            if self.rank == 0:
+                with open(self.dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                logger.info("step %d: %s", self.step, {k: metrics[k] for k in ("loss", "reward_mean", "mismatch_kl")})
             history.append(metrics)
         return history
 
@@ -409,12 +563,46 @@ class Trainer:
                                                             trainer_step=0, created_at=utcnow()))
 
 
+
+def _check_distributed(par: ParallelismConfig, world: int) -> None:
+    """What the loop runs over several processes today: FSDP2 and expert parallelism."""
+    if par.world_size != world:
+        raise ValueError(f"parallelism.world_size: {par.world_size}, but {world} process(es) run "
+                         f"(start with torchrun --nproc_per_node {par.world_size}, or swerve train --nproc)")
+    if par.tensor_parallel_degree > 1:
+        raise ValueError("parallelism.tensor_parallel_degree: the training loop shards with FSDP2 and expert "
+                         "parallelism only; set it to 1")
+    if par.context_parallel_degree > 1:
+        raise ValueError("parallelism.context_parallel_degree: context parallelism is checked by the layout "
+                         "(trainer/layout.py) but not yet run by the loop; set it to 1")
+
+
+def init_distributed(cfg: TrainerConfig) -> int:
+    """Join torchrun's process group (gloo on CPU, NCCL on GPUs); returns the world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        device = cfg.torch_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # rank 0 may wait up to wait_s for groups while the others wait for it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=cfg.wait_s + 600))
+    return world
+
+
 async def train(cfg: TrainerConfig, database_url: str) -> list[dict]:
+    """The loop in this process; under torchrun, this process's rank of it (rank 0 alone opens
+    the database)."""
     from service.db import make_async_engine
 
-    engine = make_async_engine(database_url)
+    world = init_distributed(cfg)
+    rank = dist.get_rank() if world > 1 else 0
+    engine = make_async_engine(database_url) if rank == 0 else None
     try:
         trainer = await asyncio.to_thread(Trainer, cfg, engine)
         return await trainer.run()
     finally:
-        await engine.dispose()
+        if engine is not None:
+            await engine.dispose()
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
