@@ -51,11 +51,8 @@ def measure(mode: str, model_dir: str, tokens: int, doc: int, repeats: int) -> d
     if mode == "ours":
         from trainer.train import Trainer, TrainerConfig
 
-        trainer = Trainer.__new__(Trainer)
-        trainer.cfg = TrainerConfig(model=Path(model_dir), out_dir=Path(tempfile.mkdtemp()), data={"seq_len": 8192})
-        trainer.model, _, _ = build_model(Path(model_dir))
-        trainer.moe_layers = 0
-        trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-5)
+        trainer = Trainer(TrainerConfig(model=Path(model_dir), out_dir=Path(tempfile.mkdtemp()),
+                                        data={"seq_len": 8192}, device="cpu"))
         groups = groups_for(tokens, doc)
         trainer.train_step(groups)  # warm-up
         started = time.perf_counter()

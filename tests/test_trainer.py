@@ -341,3 +341,88 @@ async def test_sigkilled_trainer_process_resumes_exactly_once(migrated_pg_url, t
         assert steps == list(range(1, done_steps + 1))  # one group per step, none twice, none lost
     finally:
         await engine.dispose()
+
+
+def _row(vocab: int, lengths: list[int], seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    pad = seq_len - sum(lengths)
+    inputs = torch.randint(0, vocab, (seq_len,), generator=g)
+    positions = torch.cat([torch.arange(n) for n in [*lengths, pad]])
+    seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])
+    return {"inputs": inputs, "positions": positions, "seq_ids": seq_ids, "targets": torch.roll(inputs, -1),
+            "mask": seq_ids >= 0}
+
+
+def _logprob_grads(model, row, chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from trainer.model import forward_logprobs
+
+    model.zero_grad(set_to_none=True)
+    logp, _ = forward_logprobs(model, row["inputs"], row["positions"], row["seq_ids"], row["targets"], chunk=chunk)
+    (logp * row["mask"]).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_chunked_vocabulary_projection_equals_whole_row_logits(tiny):
+    """Long rows never hold [L, vocab] logits: the projection and log-softmax run chunk by chunk
+    under checkpointing. Same log-probs, same gradients."""
+    from trainer.model import build_model
+
+    model, cfg, _ = build_model(tiny["dense"])
+    row = _row(cfg.vocab_size, [70, 41, 30], 160)
+    whole, grads = _logprob_grads(model, row, chunk=0)
+    chunked, chunked_grads = _logprob_grads(model, row, chunk=32)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=0)
+    assert grads.keys() == chunked_grads.keys() and len(grads) > 5
+    for name in grads:
+        torch.testing.assert_close(chunked_grads[name], grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_the_same_gradients(tiny, mode):
+    from trainer.model import apply_activation_checkpointing, build_model
+
+    model, cfg, _ = build_model(tiny["moe"])
+    row = _row(cfg.vocab_size, [50, 30], 96)
+    logp, grads = _logprob_grads(model, row, chunk=0)
+    apply_activation_checkpointing(model, mode)
+    assert any("checkpoint" in type(m).__name__.lower() for m in model.modules())
+    logp_ac, grads_ac = _logprob_grads(model, row, chunk=0)
+    torch.testing.assert_close(logp_ac, logp, atol=0, rtol=0)
+    # parameters of a checkpointed block gain a wrapper prefix in named_parameters
+    grads_ac = {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads_ac.items()}
+    assert grads_ac.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_ac[name], grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_float8_without_torchao_or_gpu_is_named(tiny, tmp_path):
+    from trainer.train import Trainer, TrainerConfig
+
+    cfg = TrainerConfig(model=tiny["dense"], out_dir=tmp_path, device="cpu", parallelism={"float8": True})
+    with pytest.raises(ValueError, match="parallelism.float8"):
+        Trainer(cfg)
+
+
+def test_ranks_get_the_same_number_of_micro_batches(tiny, tmp_path):
+    """Under FSDP every forward and backward is a collective: documents are spread over the
+    ranks by length and a rank with fewer passes idly, or the step would deadlock."""
+    from trainer.data import Sequence, pack
+    from trainer.train import Trainer, TrainerConfig
+
+    trainer = Trainer(TrainerConfig(model=tiny["dense"], out_dir=tmp_path, device="cpu"))
+    rng = np.random.default_rng(0)
+    seqs = [Sequence(tokens=rng.integers(0, 2000, n), sampled=np.r_[np.zeros(n // 2, bool), np.ones(n - n // 2, bool)],
+                     inf_logprobs=np.zeros(n, np.float32), advantage=1.0) for n in (30, 25, 12, 9, 7)]
+    rows, _ = pack(seqs, 48)
+    assert trainer.micro_batches(rows) == [(i, 0, 48) for i in range(len(rows))]  # one process: whole rows
+    trainer.world = 2
+    shares = []
+    for rank in (0, 1):
+        trainer.rank = rank
+        shares.append(trainer.micro_batches(rows))
+    assert len(shares[0]) == len(shares[1]) == 3
+    units = [u for share in shares for u in share if u is not None]
+    assert sorted(e - s for _, s, e in units) == [6, 8, 11, 24, 29]  # every document once (len-1 predictions)
+    assert sum(u is None for share in shares for u in share) == 1  # one idle pass
+    loads = [sum(e - s for u in share if u for _, s, e in [u]) for share in shares]
+    assert abs(loads[0] - loads[1]) <= 29

@@ -24,13 +24,12 @@ from service import db
 from service.buffer import Buffer
 from service.tables import Episode, Group, Policy
 from service.tiny_model import TinyModelSpec, init_tiny
-
-from tests.conftest import _truncate_pg, require_torchtitan  # noqa: E402
+from tests.conftest import _truncate_pg, require_torchtitan
 
 require_torchtitan()
 
-from tests.test_orchestrator import make_run  # noqa: E402
-from tests.test_trainer import sampled_turns  # noqa: E402
+from tests.test_orchestrator import make_run
+from tests.test_trainer import sampled_turns
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,12 @@ def titan_config(hf_dir: Path, attn_backend: str = "sdpa"):
     """A torchtitan Qwen3Model.Config with the same shapes as the Hugging Face model."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3 import (
+        Qwen3Model,
+        _build_qwen3_layers,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
 
     hf = _hf_config(hf_dir)
     kind = hf.get("model_type")

@@ -21,16 +21,22 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import sqlalchemy as sa
 import torch
 import torch.distributed as dist
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.data import BatchStats, DataConfig, Row, pack, packing_efficiency, sequences_from_groups
+from trainer.data import (
+    BatchStats,
+    DataConfig,
+    Row,
+    pack,
+    packing_efficiency,
+    sequences_from_groups,
+)
 from trainer.loss import LossConfig, policy_loss
 from trainer.model import forward_logprobs, packs_documents
 
