@@ -4,6 +4,7 @@ MoE models) applied to the model `trainer.model.build_model` builds, on CPU with
     torchrun --nproc_per_node 2 -m trainer.distributed --model DIR --ep 1|2 --out FILE
     python -m trainer.distributed --model DIR --out FILE        # one process: the reference
 
+`parallelize` is what the training loop (trainer/train.py, `swerve train --nproc N`) uses.
 `main` is an equivalence check, not a training loop: one optimizer step on a fixed batch with
 our `policy_loss`, writing the loss before and after the step and every parameter's gradient
 norm. Each rank takes its share of the batch as data parallelism would; the loss is normalised
