@@ -166,35 +166,17 @@ def tiny_attention(models: Path, device) -> dict:
     return out
 
 
-def golden_group():
-    """tests/test_trainer.py's golden batch (same generator, same numbers)."""
-    import uuid
-
-    import numpy as np
-
-    from service.buffer import EpisodeData, GroupData
-
-    rng = np.random.default_rng(1234)
-    episodes = []
-    for i, reward in enumerate([1.0, 0.0, 0.5]):
-        turns = [{"idx": k, "segment": 0, "input_ids": rng.integers(0, 2000, 7), "output_ids": rng.integers(0, 2000, 5),
-                  "output_logprobs": -rng.uniform(0.5, 9.0, 5).astype(np.float32), "policy_version": 0,
-                  "routed_experts": None} for k in range(3)]
-        episodes.append(EpisodeData(uuid.UUID(int=i), i, "submitted", reward, 0, turns))
-    return GroupData(uuid.UUID(int=10), uuid.UUID(int=11), uuid.UUID(int=12), episodes)
-
-
 @section("tiny_golden")
 def tiny_golden(models: Path, device) -> dict:
     """The golden step (recorded on CPU: loss 1.5285574197769165, grad norm 3.958608865737915)
     on the GPU with SDPA and with flex attention."""
+    from tests.golden import GOLDEN, GOLDEN_CONFIG, golden_group
     from trainer.train import Trainer, TrainerConfig
 
-    out = {"cpu_loss": 1.5285574197769165, "cpu_grad_norm": 3.958608865737915}
+    out = {"cpu_loss": GOLDEN["loss"], "cpu_grad_norm": GOLDEN["grad_norm"]}
     for backend in ("sdpa", "flex") if device.type == "cuda" else ("sdpa",):  # flex has no CPU backward
-        cfg = TrainerConfig(model=models / "dense", out_dir=Path("/nonexistent"), data={"seq_len": 40},
-                            device=device.type, seed=0, attn_backend=backend,
-                            loss={"kl_coef": 0.1, "clamp": 3.0, "ratio_low": 0.0, "ratio_high": 1e9})
+        cfg = TrainerConfig(model=models / "dense", out_dir=Path("/nonexistent"), device=device.type,
+                            attn_backend=backend, **GOLDEN_CONFIG)
         m = Trainer(cfg).train_step([golden_group()])
         out[backend] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "sampled_tokens": m["sampled_tokens"]}
     return out

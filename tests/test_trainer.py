@@ -17,9 +17,9 @@ from service.agent import TurnRecord
 from service.buffer import Buffer
 from service.tables import Episode, Group, Policy
 from service.tiny_model import TinyModelSpec, init_tiny
-from tests.test_orchestrator import make_run
-
 from tests.conftest import require_torchtitan  # noqa: E402
+from tests.golden import GOLDEN, GOLDEN_CONFIG, golden_group
+from tests.test_orchestrator import make_run
 
 require_torchtitan()
 
@@ -90,8 +90,10 @@ def sampled_turns(model, n_turns: int, rng: np.random.Generator) -> list[TurnRec
     return turns
 
 
-async def fill_buffer(engine, model, rewards_by_group: list[list[float]]) -> uuid.UUID:
-    run_id = await make_run(engine, policy="oracle")  # 3 tasks x 2 samples
+async def fill_buffer(engine, model, rewards_by_group: list[list[float]], samples: int = 2) -> uuid.UUID:
+    """A run of 3 tasks x `samples` episodes whose groups are ready with these rewards; the turns
+    are the model's own samples (the same every time for the same model)."""
+    run_id = await make_run(engine, policy="oracle", samples_per_task=samples)
     buffer = Buffer(engine)
     rng = np.random.default_rng(0)
     async with engine.connect() as conn:
@@ -158,25 +160,12 @@ async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_u
         assert not torch.allclose(served(ids).logits, hf_logits(tiny["dense"], ids))
 
 
-GOLDEN = {"loss": 1.5285574197769165, "grad_norm": 3.958608865737915, "sampled_tokens": 45}
-
-
 def golden_step(tiny_dir: Path) -> dict:
     """One training step of the seed-0 tiny dense model on a fixed hand-made batch."""
-    from service.buffer import EpisodeData, GroupData
     from trainer.train import Trainer, TrainerConfig
 
-    rng = np.random.default_rng(1234)
-    episodes = []
-    for i, reward in enumerate([1.0, 0.0, 0.5]):
-        turns = [{"idx": k, "segment": 0, "input_ids": rng.integers(0, 2000, 7), "output_ids": rng.integers(0, 2000, 5),
-                  "output_logprobs": -rng.uniform(0.5, 9.0, 5).astype(np.float32), "policy_version": 0,
-                  "routed_experts": None} for k in range(3)]
-        episodes.append(EpisodeData(uuid.UUID(int=i), i, "submitted", reward, 0, turns))
-    group = GroupData(uuid.UUID(int=10), uuid.UUID(int=11), uuid.UUID(int=12), episodes)
-    cfg = TrainerConfig(model=tiny_dir, out_dir=Path("/nonexistent"), data={"seq_len": 40}, device="cpu", seed=0,
-                        loss={"kl_coef": 0.1, "clamp": 3.0, "ratio_low": 0.0, "ratio_high": 1e9})
-    return Trainer(cfg).train_step([group])
+    cfg = TrainerConfig(model=tiny_dir, out_dir=Path("/nonexistent"), device="cpu", **GOLDEN_CONFIG)
+    return Trainer(cfg).train_step([golden_group()])
 
 
 def test_golden_loss(tiny):

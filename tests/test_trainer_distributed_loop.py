@@ -15,21 +15,18 @@ import sys
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 import sqlalchemy as sa
 import torch
 
 from service import db
-from service.buffer import Buffer
-from service.tables import Episode, Group, Policy
+from service.tables import Group, Policy
 from service.tiny_model import TinyModelSpec, init_tiny
 from tests.conftest import _truncate_pg, require_torchtitan
 
 require_torchtitan()
 
-from tests.test_orchestrator import make_run
-from tests.test_trainer import sampled_turns
+from tests.test_trainer import fill_buffer
 
 pytestmark = pytest.mark.slow
 
@@ -52,20 +49,7 @@ async def fill(url: str, model_dir: Path) -> uuid.UUID:
     model, _, _ = build_model(model_dir)
     engine = db.make_async_engine(url)
     try:
-        run_id = await make_run(engine, policy="oracle", samples_per_task=3)
-        buffer, rng = Buffer(engine), np.random.default_rng(0)
-        async with engine.connect() as conn:
-            groups = (await conn.execute(sa.select(Group.id).where(Group.run_id == run_id).order_by(Group.id))).scalars().all()
-        for group_id, rewards in zip(groups, REWARDS):
-            async with engine.connect() as conn:
-                episodes = (await conn.execute(sa.select(Episode.id).where(Episode.group_id == group_id)
-                                               .order_by(Episode.sample_index))).scalars().all()
-            for episode_id, reward in zip(episodes, rewards):
-                for turn in sampled_turns(model, 2, rng):
-                    await buffer.append_turn(episode_id, turn)
-                await buffer.finish_episode(episode_id, status="submitted", reward=reward, n_turns=2,
-                                            policy_version_min=0, policy_version_max=0)
-        return run_id
+        return await fill_buffer(engine, model, REWARDS, samples=3)
     finally:
         await engine.dispose()
 
