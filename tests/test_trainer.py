@@ -415,3 +415,8 @@ def test_ranks_get_the_same_number_of_micro_batches(tiny, tmp_path):
     assert sum(u is None for share in shares for u in share) == 1  # one idle pass
     loads = [sum(e - s for u in share if u for _, s, e in [u]) for share in shares]
     assert abs(loads[0] - loads[1]) <= 29
+    # every rank makes as many vocabulary projections per round as the rank that needs most
+    trainer.cfg = trainer.cfg.model_copy(update={"logprob_chunk": 10})
+    pieces = trainer._pieces(shares)
+    needs = [[-(-(u[2] - u[1]) // 10) if u else 1 for u in round_] for round_ in zip(*shares)]
+    assert pieces == [max(n) for n in needs] and max(pieces) == 3

@@ -202,27 +202,41 @@ def _forward(model, inputs, positions, seq_ids, routed_experts):
 
 
 def forward_logprobs(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
-                     targets: torch.Tensor, routed_experts=None, *, chunk: int = 0):  # fmt: skip
+                     targets: torch.Tensor, routed_experts=None, *, chunk: int = 0,
+                     pieces: int | None = None):  # fmt: skip
     """(log p(target) [L] with gradient, entropy [L] without) for one packed row.
 
     chunk > 0: the vocabulary projection and log-softmax run `chunk` positions at a time under
     activation checkpointing, so a 131k-token row never holds [L, vocab] logits (40 GB in bf16
     for a 152k vocabulary): each chunk's logits are made in forward, dropped, and made again in
-    backward. chunk = 0: logits for the whole row at once."""
+    backward. chunk = 0: logits for the whole row at once.
+
+    pieces: split the row into exactly this many parts instead (some may be empty), always
+    projecting outside the model's forward. Under FSDP each call of the projection is a
+    collective in backward, so every rank must make the same number of calls in a micro-batch:
+    the trainer gives all ranks the same `pieces` (see Trainer.train_batch)."""
     from torch.utils.checkpoint import checkpoint
 
     from trainer.loss import token_logprobs
 
-    if chunk <= 0 or len(inputs) <= chunk:
+    if pieces is None and (chunk <= 0 or len(inputs) <= chunk):
         return token_logprobs(forward_logits(model, inputs, positions, seq_ids, routed_experts), targets)
     hidden = forward_logits(model, inputs, positions, seq_ids, routed_experts, head=False)
 
     def piece(h: torch.Tensor, t: torch.Tensor):
         return token_logprobs(model.lm_head(h), t)
 
+    bounds = range(0, len(inputs), chunk) if pieces is None else \
+        [len(inputs) * k // pieces for k in range(pieces)]
+    ends = [*bounds[1:], len(inputs)]
     logps, entropies = [], []
-    for s in range(0, len(inputs), chunk):
-        logp, entropy = checkpoint(piece, hidden[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
+    for s, e in zip(bounds, ends):
+        logp, entropy = checkpoint(piece, hidden[s:e], targets[s:e], use_reentrant=False)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)
+
+
+def projection_pieces(length: int, chunk: int) -> int:
+    """How many vocabulary projections forward_logprobs makes for a row of `length` at `chunk`."""
+    return 1 if chunk <= 0 else max(1, -(-length // chunk))

@@ -38,7 +38,7 @@ from trainer.data import (
     sequences_from_groups,
 )
 from trainer.loss import LossConfig, policy_loss
-from trainer.model import forward_logprobs, packs_documents
+from trainer.model import forward_logprobs, packs_documents, projection_pieces
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -269,6 +269,10 @@ class Trainer:
         documents, spread over the ranks by tokens. Every rank gets the same number: a rank
         with fewer pads with None (an idle pass), since every forward and backward of a sharded
         model is a collective all ranks must join."""
+        return self._shares(rows)[self.rank]
+
+    def _shares(self, rows: list[Row]) -> list[list[tuple[int, int, int] | None]]:
+        """Every rank's micro-batches (the same on every rank: they all hold the batch)."""
         whole = self.world == 1 or packs_documents(self.model)
         units = []
         for i, r in enumerate(rows):
@@ -282,20 +286,28 @@ class Trainer:
                 if r.seq_ids[s] >= 0 and r.loss_mask[s:e].any():
                     units.append((i, int(s), int(e)))
         if self.world == 1:
-            return units
+            return [units]
         loads, shares = [0] * self.world, [[] for _ in range(self.world)]
         for unit in sorted(units, key=lambda u: (u[1] - u[2], u)):  # longest first, to the least loaded
             k = loads.index(min(loads))
             shares[k].append(unit)
             loads[k] += unit[2] - unit[1]
         longest = max(len(share) for share in shares)
-        mine = sorted(shares[self.rank])
-        return mine + [None] * (longest - len(mine))
+        return [sorted(share) + [None] * (longest - len(share)) for share in shares]
 
-    def _idle_pass(self) -> None:
-        """A one-token forward and backward with zero loss: joins the collectives of a step."""
+    def _pieces(self, shares) -> list[int | None]:
+        """Per round of micro-batches, the number of vocabulary projections every rank makes
+        (the most any rank's micro-batch of that round needs); None in one process."""
+        if self.world == 1:
+            return [None] * len(shares[0])
+        chunk = self.cfg.logprob_chunk
+        return [max(projection_pieces(u[2] - u[1] if u else 1, chunk) for u in round_)
+                for round_ in zip(*shares)]
+
+    def _idle_pass(self, pieces: int | None) -> None:
+        """A one-token forward and backward with zero loss: joins the collectives of a round."""
         x = torch.zeros(1, dtype=torch.long, device=self.device)
-        logp, _ = forward_logprobs(self.model, x, x, x, x)
+        logp, _ = forward_logprobs(self.model, x, x, x, x, pieces=pieces)
         (logp.sum() * 0.0).backward()
 
     def train_batch(self, batch: Batch) -> dict:
@@ -305,9 +317,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(4, dtype=torch.float64)  # loss, and mismatch KL, masked fraction, entropy token-weighted
         started = time.perf_counter()
-        for unit in self.micro_batches(batch.rows):
+        shares = self._shares(batch.rows)
+        for unit, pieces in zip(shares[self.rank], self._pieces(shares)):
             if unit is None:
-                self._idle_pass()
+                self._idle_pass(pieces)
                 continue
             i, s, e = unit
             row = batch.rows[i]
@@ -317,7 +330,7 @@ class Trainer:
             if cfg.router_replay and self.moe_layers and row.routed_experts is not None:
                 experts = torch.from_numpy(np.ascontiguousarray(row.routed_experts[s:e])).to(self.device)
             logp, entropy = forward_logprobs(self.model, t["inputs"], t["positions"], t["seq_ids"], t["targets"],
-                                             experts, chunk=cfg.logprob_chunk)
+                                             experts, chunk=cfg.logprob_chunk, pieces=pieces)
             # SFT: no sampler to correct for (scripted "samples" carry logprob 0): ratio 1, plain NLL
             inf = logp.detach() if cfg.sft else t["inf_logprobs"]
             out = policy_loss(logp, inf, t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
