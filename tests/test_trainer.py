@@ -125,7 +125,7 @@ async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_u
 
     model, _, _ = build_model(tiny["dense"])
     run_id = await fill_buffer(engine, model, [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
-    cfg = TrainerConfig(model=tiny["dense"], out_dir=tmp_path, steps=2, groups_per_step=1, run_id=run_id,
+    cfg = TrainerConfig(model=tiny["dense"], out_dir=tmp_path, steps=2, groups_per_step=1, run_id=run_id, publish_shard_mb=1,
                         optim={"lr": 1e-3}, data={"seq_len": 64}, wait_s=5)
     trainer = Trainer(cfg, engine)
     history = await trainer.run()
@@ -151,7 +151,14 @@ async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_u
         listed = (await client.get("/api/v1/policies")).json()
     assert [p["version"] for p in listed["items"]] == [2, 1, 0]
     assert listed["items"][1]["metrics"]["loss"] == pytest.approx(history[0]["loss"])
+    from safetensors.torch import load_file
+
     published = Path(policies[2].weights_path)
+    index = json.loads((published / "model.safetensors.index.json").read_text())
+    files = sorted(published.glob("model-*-of-*.safetensors"))
+    assert len(files) > 1 and set(index["weight_map"].values()) == {f.name for f in files}
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for f in files
+                                                   for v in load_file(str(f)).values())
     served = AutoModelForCausalLM.from_pretrained(published, dtype=torch.float32).eval()
     ids = torch.randint(0, 2000, (1, 40))
     with torch.no_grad():

@@ -42,10 +42,15 @@ async def test_trainer_consumes_a_run_and_the_fleet_serves_its_versions(worker, 
                                        log=data_dir / "worker.log")
             assert first["status"] == "finished" and first["graded"] == 4, first
             # the random tiny model earns no reward: SFT on its own samples exercises the same path
+            # 1 MB shards: the server loads a sharded folder through its index, as a real model's
             cfg = TrainerConfig(name="e2e", model=model_dir, out_dir=tmp_path, endpoints=[url], served_model="tiny",
-                                steps=2, groups_per_step=1, sft=True, optim={"lr": 1e-2}, wait_s=60)
+                                steps=2, groups_per_step=1, sft=True, optim={"lr": 1e-2}, wait_s=60,
+                                publish_shard_mb=1)
             history = await train(cfg, db_url)
             assert [m["step"] for m in history] == [1, 2] and all(m["reloaded"] == [url] for m in history)
+            published = tmp_path / "e2e" / "weights" / "v2"
+            assert len(list(published.glob("model-*-of-*.safetensors"))) > 1
+            assert (published / "model.safetensors.index.json").exists()
             assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "2"
             # the server now computes what the published (trainer's) weights compute
             prompt = list(range(100, 140))

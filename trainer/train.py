@@ -105,6 +105,8 @@ class TrainerConfig(BaseModel):
     parallelism: ParallelismConfig = ParallelismConfig()
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: the GPU of this process's local rank when there is one, else the CPU."""
+    publish_shard_mb: int = Field(5000, ge=1)
+    """Published weights are written in safetensors shards of at most this size."""
     logprob_chunk: int = Field(8192, ge=0)
     """Positions per vocabulary projection + log-softmax, recomputed in backward, so long rows
     never hold whole-row logits (0: whole rows)."""
@@ -371,33 +373,67 @@ class Trainer:
 
     # ---- weights -----------------------------------------------------------------------------------
 
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's parameters and buffers in float32 on the CPU, on rank 0 (None on the
-        others); sharded tensors are gathered, a collective every rank joins."""
+    def _full_tensors(self):
+        """(name, whole tensor) for every parameter and buffer, one at a time: sharded tensors are
+        gathered (a collective every rank joins, in the same order); None on ranks other than 0."""
         from torch.distributed.tensor import DTensor
 
-        out = {}
         for k, v in self.model.state_dict().items():
             if isinstance(v, DTensor):
                 v = v.full_tensor()
-            if self.rank == 0:
-                out[k] = v.detach().to("cpu", torch.float32).contiguous()
-        return out if self.rank == 0 else None
+            yield k, (v.detach().to("cpu", self.publish_dtype).contiguous() if self.rank == 0 else None)
+
+    @property
+    def publish_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.parallelism.param_dtype == "bfloat16" else torch.float32
 
     def publish_weights(self, version: int) -> Path | None:
-        """The weights in the inference model's layout: safetensors + config + tokenizer, written
-        by rank 0 (every rank joins the gather)."""
+        """The weights in the inference model's layout: safetensors shards of at most
+        `publish_shard_mb` (with Hugging Face's model.safetensors.index.json when there are
+        several) + config + tokenizer, written by rank 0 into a temporary folder renamed when
+        complete. Tensors are gathered one at a time and written a shard at a time, so rank 0
+        never holds more than a shard of a model that only fits sharded."""
         from safetensors.torch import save_file
 
-        state = self.full_state()
-        if state is None:
-            return None
         out = self.dir / "weights" / f"v{version}"
         tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        hf = self.adapter.to_hf(state)
-        save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp / "model.safetensors"))
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        limit = self.cfg.publish_shard_mb * 2**20
+        shards: list[list[str]] = []  # the Hugging Face names in each written shard
+        pending: dict[str, torch.Tensor] = {}
+        size = total = 0
+
+        def flush() -> None:
+            nonlocal pending, size, total
+            hf = {k: v.contiguous() for k, v in self.adapter.to_hf(pending).items()}
+            if hf:  # (buffers such as rotary caches have no Hugging Face name)
+                total += sum(v.nbytes for v in hf.values())
+                save_file(hf, str(tmp / f"part-{len(shards)}.safetensors"), metadata={"format": "pt"})
+                shards.append(list(hf))
+            pending, size = {}, 0
+
+        for name, tensor in self._full_tensors():
+            if tensor is None:
+                continue
+            if size and size + tensor.nbytes > limit:
+                flush()
+            pending[name] = tensor
+            size += tensor.nbytes
+        if self.rank != 0:
+            return None
+        flush()
+        if len(shards) == 1:
+            (tmp / "part-0.safetensors").rename(tmp / "model.safetensors")
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            weight_map = {}
+            for i, (keys, name) in enumerate(zip(shards, names)):
+                (tmp / f"part-{i}.safetensors").rename(tmp / name)
+                weight_map |= dict.fromkeys(keys, name)
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         shutil.copy(self.cfg.model / "config.json", tmp / "config.json")
         for name in TOKENIZER_FILES:
             if (self.cfg.model / name).exists():
