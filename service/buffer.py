@@ -190,9 +190,10 @@ class Buffer:
                            .values(status="ready", ready_at=utcnow(), min_policy_version=oldest))
 
     async def claim(self, n_groups: int, *, trainer_step: int, max_staleness: int,
-                    lease_s: float = 600.0, run_id: uuid.UUID | None = None) -> Claim:  # fmt: skip
+                    lease_s: float = 600.0, run_id: uuid.UUID | None = None,
+                    owner: str | None = None) -> Claim:  # fmt: skip
         """Claim up to n ready groups (oldest first; of one run if given), dropping the ones too
-        stale to train on."""
+        stale to train on. `owner` names the trainer (see release_owner)."""
         now = utcnow()
         claim_id = uuid.uuid4()
         claimable = sa.or_(Group.status == "ready",
@@ -218,7 +219,8 @@ class Buffer:
                     status="dropped", dropped_reason=f"stale at step {trainer_step}", claim_id=None))
             if taken:
                 await conn.execute(sa.update(Group).where(Group.id.in_(taken)).values(
-                    status="claimed", claim_id=claim_id, claim_expires_at=now + timedelta(seconds=lease_s)))
+                    status="claimed", claim_id=claim_id, claim_expires_at=now + timedelta(seconds=lease_s),
+                    claimed_by=owner))
         return Claim(claim_id, taken, len(dropped))
 
     async def commit(self, claim: Claim, trainer_step: int) -> None:
@@ -233,6 +235,16 @@ class Buffer:
             if done.rowcount != len(claim.group_ids):
                 raise ClaimLost(f"claim {claim.id}: {len(claim.group_ids) - done.rowcount} group(s) "
                                 "went back to the buffer before the step committed")
+
+    async def release_owner(self, owner: str, run_id: uuid.UUID | None = None) -> int:
+        """Give back every group `owner` holds claimed (a trainer restarting: the claims of the
+        incarnation that died are its own, no need to wait out their lease). Returns how many."""
+        async with self.engine.begin() as conn:
+            back = await conn.execute(
+                sa.update(Group).where(Group.status == "claimed", Group.claimed_by == owner,
+                                       *([Group.run_id == run_id] if run_id else []))
+                .values(status="ready", claim_id=None, claim_expires_at=None, claimed_by=None))
+        return back.rowcount
 
     async def release(self, claim: Claim) -> None:
         """Give the claim's groups back (a step that failed before committing)."""

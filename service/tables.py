@@ -160,6 +160,8 @@ class Group(Base):
     ready_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     claim_id: Mapped[uuid.UUID | None] = mapped_column(sa.Uuid)
     claim_expires_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    claimed_by: Mapped[str | None] = mapped_column(sa.Text)
+    """The trainer (its name) that claimed the group; a restarted trainer takes back its own claims."""
     consumed_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     trainer_step: Mapped[int | None] = mapped_column()
     dropped_reason: Mapped[str | None] = mapped_column(sa.String(64))

@@ -102,6 +102,18 @@ async def test_expired_lease_returns_groups_and_the_late_commit_fails(buffer):
     assert (await buffer.stats())["consumed"] == 2
 
 
+async def test_a_restarted_trainer_takes_back_only_its_own_claims(buffer):
+    await finish_all(buffer, await make_groups(buffer.engine, 3))
+    mine = await buffer.claim(2, trainer_step=1, max_staleness=4, owner="policy-a")
+    theirs = await buffer.claim(1, trainer_step=1, max_staleness=4, owner="policy-b")
+    assert await buffer.release_owner("policy-a") == 2
+    assert (await buffer.stats())["ready"] == 2 and (await buffer.stats())["claimed"] == 1
+    with pytest.raises(ClaimLost):  # the dead incarnation's claim is void
+        await buffer.commit(mine, trainer_step=1)
+    await buffer.commit(theirs, trainer_step=1)  # another trainer's claim is untouched
+    assert await buffer.release_owner("policy-a") == 0
+
+
 async def test_stale_groups_are_dropped_and_counted(buffer):
     await finish_all(buffer, await make_groups(buffer.engine, 2, version=0))
     await finish_all(buffer, await make_groups(buffer.engine, 1, version=5))

@@ -8,6 +8,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -138,3 +139,53 @@ async def test_two_process_loop_matches_one_process_and_resumes(migrated_pg_url,
     one_more = train(config, tmp_path, "one", "--steps=1")
     assert more[-1]["loss"] == pytest.approx(one_more[-1]["loss"], rel=0, abs=loss_abs * 10)
     assert more[-1]["grad_norm"] == pytest.approx(one_more[-1]["grad_norm"], rel=rel * 10)
+
+
+async def test_two_process_trainer_sigkilled_mid_run_resumes_exactly_once(migrated_pg_url, tiny, tmp_path):
+    """The whole torchrun job (both ranks and the launcher) SIGKILLed while step 2 holds its
+    claim; started again, the trainer takes its own claim back at once (no waiting out the
+    lease), the two ranks resume from their last complete sharded checkpoint: every group is
+    consumed by exactly one step, the versions run 0..N without a gap."""
+    import signal
+    import time
+
+    config = tmp_path / "t.toml"
+    config.write_text(f'model = "{tiny["dense"]}"\nout_dir = "{tmp_path}"\ndatabase_url = "{migrated_pg_url}"\n'
+                      'groups_per_step = 1\nwait_s = 30\n[data]\nseq_len = 64\n[optim]\nlr = 1e-3\n'
+                      '[parallelism]\nworld_size = 2\n')
+    await fill(migrated_pg_url, tiny["dense"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"OMP_NUM_THREADS": "1"}
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    job = subprocess.Popen([sys.executable, "-m", "service.cli", "train", "--config", str(config), "--name=killed",
+                            "--steps=3", "--nproc=2"], cwd=REPO, env=env, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))
+    try:
+        # the worst moment: step 1 published and step 2 holding its claim (a lease of 600 s,
+        # longer than the restarted trainer would wait for groups)
+        watch = db.make_engine(migrated_pg_url)
+        claimed = 0
+        for _ in range(1200):
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                with watch.connect() as conn:
+                    claimed = conn.scalar(sa.select(sa.func.count()).where(Group.status == "claimed"))
+            if claimed or job.poll() is not None:
+                break
+            time.sleep(0.05)
+        watch.dispose()
+        assert job.poll() is None and claimed == 1, (tmp_path / "first.log").read_text()[-3000:]
+    finally:  # torchrun starts each rank in a session of its own: kill the whole tree, as a scheduler would
+        import psutil
+
+        tree = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGKILL)
+        job.wait()
+        psutil.wait_procs(tree, timeout=10)
+    done = max((int(d.parent.name.removeprefix("step-")) for d in
+                (tmp_path / "killed" / "checkpoints").glob("step-*/COMPLETE")), default=0)
+    assert 1 <= done < 3
+    left = train(config, tmp_path, "killed", f"--steps={3 - done}", "--nproc=2")
+    versions, steps = await state(migrated_pg_url)
+    assert versions == [0, 1, 2, 3] and steps == [1, 2, 3], (versions, steps)  # none lost, none twice
+    assert [m["step"] for m in left][-1] == 3

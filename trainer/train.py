@@ -236,7 +236,7 @@ class Trainer:
         while len(useful) < self.cfg.groups_per_step:
             claim = await self.buffer.claim(self.cfg.groups_per_step - len(useful), trainer_step=self.step,
                                             max_staleness=self.cfg.max_off_policy_steps, lease_s=self.cfg.lease_s,
-                                            run_id=self.cfg.run_id)
+                                            run_id=self.cfg.run_id, owner=self.cfg.name)
             dropped += claim.dropped
             if claim.group_ids:
                 claims.append(claim)
@@ -530,11 +530,14 @@ class Trainer:
                 if self.cfg.run_id is not None:
                     undone = undone.where(Group.run_id == self.cfg.run_id)
                 back = await conn.execute(undone.values(status="ready", claim_id=None, claim_expires_at=None,
-                                                        consumed_at=None, trainer_step=None))
+                                                        consumed_at=None, trainer_step=None, claimed_by=None))
                 withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > self.step))
-            if back.rowcount or withdrawn.rowcount:
-                logger.warning("resumed at step %d: %d group(s) back to the buffer, %d policy version(s) withdrawn",
-                               self.step, back.rowcount, withdrawn.rowcount)
+            # the step that was running when this trainer died held claims; they are ours
+            unclaimed = await self.buffer.release_owner(self.cfg.name, self.cfg.run_id)
+            if back.rowcount or withdrawn.rowcount or unclaimed:
+                logger.warning("resumed at step %d: %d consumed and %d claimed group(s) back to the buffer, "
+                               "%d policy version(s) withdrawn", self.step, back.rowcount, unclaimed,
+                               withdrawn.rowcount)
             if self.step == 0:
                 await self._record_initial_policy()
             else:  # died between the checkpoint and the publication: publish now
