@@ -224,7 +224,7 @@ def tiny_replay(models: Path, device) -> dict:
 def slice_model(hf: dict, n_layers: int, device, small: bool, tmp: Path, float8: bool = False, ac: str = "full"):
     """A real-width model with n_layers, random weights, bf16, flex attention, activation
     checkpointing: the trainer's model as a config would build it, minus depth."""
-    from trainer.model import apply_activation_checkpointing, apply_float8, titan_config
+    from trainer.model import apply_activation_checkpointing, apply_float8, empty_model, titan_config
 
     hf = dict(hf, num_hidden_layers=n_layers)
     if small:  # toy widths for the CPU smoke run
@@ -235,12 +235,7 @@ def slice_model(hf: dict, n_layers: int, device, small: bool, tmp: Path, float8:
     (tmp / "config.json").write_text(json.dumps(hf))
     backend = "flex" if device.type == "cuda" else "sdpa"
     config = titan_config(tmp, backend)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_states(buffer_device=device)
-    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = empty_model(config, device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     converted = apply_float8(model) if float8 else 0
     apply_activation_checkpointing(model, ac)
     model.train()

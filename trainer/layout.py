@@ -73,7 +73,7 @@ def check(cfg: TrainerConfig) -> Layout:
         raise LayoutError(f"parallelism.tensor_parallel_degree: {par.tensor_parallel_degree} does not divide {heads} heads")
     if cfg.data.seq_len % (2 * par.context_parallel_degree) and par.context_parallel_degree > 1:
         raise LayoutError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x context_parallel_degree")
-    width = 2 if par.param_dtype == "bfloat16" else 4
+    width = par.torch_dtype().itemsize
     per_param = width + width + 8  # weights, gradients, Adam moments in float32
     # FSDP2 shards over data x context parallel ranks (and TP splits further); experts are split
     # over EP ranks and FSDP-sharded over the rest of those ranks: everything ends up / world_size

@@ -87,17 +87,24 @@ def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def empty_model(config, device: str | torch.device = "cpu"):
+    """The model of a torchtitan config on `device` with torchtitan's initial states (random
+    weights, rotary caches): built on the meta device first, so nothing is allocated twice."""
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device(device))
+    return model
+
+
 def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu"):  # fmt: skip
     """(model, config, adapter): a torchtitan model holding the Hugging Face weights."""
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     config = titan_config(hf_dir, attn_backend)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_states(buffer_device=torch.device(device))
+    model = empty_model(config, device)
     adapter = Qwen3StateDictAdapter(config, str(hf_dir))
     state = adapter.from_hf(load_hf_weights(hf_dir))
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -69,6 +69,9 @@ class ParallelismConfig(BaseModel):
     float8: bool = False
     """float8 linears (torchao) where present."""
 
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.param_dtype == "bfloat16" else torch.float32
+
     def fsdp(self) -> int:
         rest = self.tensor_parallel_degree * self.context_parallel_degree
         return self.data_parallel_shard_degree if self.data_parallel_shard_degree > 0 else self.world_size // rest
@@ -130,12 +133,13 @@ class TrainerConfig(BaseModel):
             self.data = self.data.model_copy(update={"advantage_one": True})
         return self
 
-    def torch_device(self, local_rank: int = 0) -> torch.device:
+    def torch_device(self) -> torch.device:
+        """This process's device: with a GPU, the one of its torchrun local rank."""
         if self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available()):
             return torch.device("cpu")
         if not torch.cuda.is_available():
             raise ValueError("device: cuda asked for, but torch sees no GPU (set device = \"cpu\" or \"auto\")")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 @dataclass
@@ -189,10 +193,10 @@ class Trainer:
         par = cfg.parallelism
         if self.world > 1 or par.world_size > 1:
             _check_distributed(par, self.world)
-        self.device = cfg.torch_device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = cfg.torch_device()
         torch.manual_seed(cfg.seed)
-        dtype = torch.bfloat16 if par.param_dtype == "bfloat16" else torch.float32
-        self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend, dtype, self.device)
+        self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend, par.torch_dtype(),
+                                                               self.device)
         self.model.train()
         self.moe_layers = enable(self.model)
         if par.float8:
@@ -265,16 +269,13 @@ class Trainer:
         """Gradients of one batch (one process): prepare + train_batch."""
         return self.train_batch(self.prepare(groups))
 
-    def micro_batches(self, rows: list[Row]) -> list[tuple[int, int, int] | None]:
-        """This rank's micro-batches, (row, start, end): whole rows in one process and on
-        models that pack documents; under FSDP with SDPA (one forward per document anyway),
-        documents, spread over the ranks by tokens. Every rank gets the same number: a rank
-        with fewer pads with None (an idle pass), since every forward and backward of a sharded
-        model is a collective all ranks must join."""
-        return self._shares(rows)[self.rank]
-
-    def _shares(self, rows: list[Row]) -> list[list[tuple[int, int, int] | None]]:
-        """Every rank's micro-batches (the same on every rank: they all hold the batch)."""
+    def micro_batches(self, rows: list[Row]) -> list[list[tuple[int, int, int] | None]]:
+        """Every rank's micro-batches, (row, start, end), the same on every rank since they all
+        hold the batch: whole rows in one process and on models that pack documents; under
+        FSDP with SDPA (one forward per document anyway), documents, spread over the ranks by
+        tokens. Every rank gets the same number: a rank with fewer pads with None (an idle
+        pass), since every forward and backward of a sharded model is a collective all ranks
+        must join."""
         whole = self.world == 1 or packs_documents(self.model)
         units = []
         for i, r in enumerate(rows):
@@ -319,7 +320,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(4, dtype=torch.float64)  # loss, and mismatch KL, masked fraction, entropy token-weighted
         started = time.perf_counter()
-        shares = self._shares(batch.rows)
+        shares = self.micro_batches(batch.rows)
         for unit, pieces in zip(shares[self.rank], self._pieces(shares)):
             if unit is None:
                 self._idle_pass(pieces)
@@ -378,14 +379,14 @@ class Trainer:
         gathered (a collective every rank joins, in the same order); None on ranks other than 0."""
         from torch.distributed.tensor import DTensor
 
+        dtype = self.cfg.parallelism.torch_dtype()
         for k, v in self.model.state_dict().items():
             if isinstance(v, DTensor):
                 v = v.full_tensor()
-            yield k, (v.detach().to("cpu", self.publish_dtype).contiguous() if self.rank == 0 else None)
+            yield k, (v.detach().to("cpu", dtype).contiguous() if self.rank == 0 else None)
 
-    @property
-    def publish_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.parallelism.param_dtype == "bfloat16" else torch.float32
+    def weights_dir(self, version: int) -> Path:
+        return self.dir / "weights" / f"v{version}"
 
     def publish_weights(self, version: int) -> Path | None:
         """The weights in the inference model's layout: safetensors shards of at most
@@ -395,7 +396,7 @@ class Trainer:
         never holds more than a shard of a model that only fits sharded."""
         from safetensors.torch import save_file
 
-        out = self.dir / "weights" / f"v{version}"
+        out = self.weights_dir(version)
         tmp = out.with_name(out.name + ".tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -544,7 +545,7 @@ class Trainer:
                 async with self.engine.connect() as conn:
                     published = await conn.scalar(sa.select(Policy.version).where(Policy.version == self.step))
                 publish = published is None
-                write = bool(self.cfg.endpoints) and not (self.dir / "weights" / f"v{self.step}").exists()
+                write = bool(self.cfg.endpoints) and not self.weights_dir(self.step).exists()
         publish, write = self._share((publish, write))
         if publish:
             await self.publish(self.step, {"republished": True})
@@ -553,7 +554,7 @@ class Trainer:
         if self.cfg.endpoints and self.rank == 0:  # the fleet serves what this trainer now is, before anything else
             from service.inference import FleetConfig, VLLMClient
 
-            path = (self.dir / "weights" / f"v{self.step}") if self.step else self.cfg.model
+            path = self.weights_dir(self.step) if self.step else self.cfg.model
             async with VLLMClient(FleetConfig(endpoints=self.cfg.endpoints, model=self.cfg.served_model)) as fleet:
                 if fleet.version != self.step or found:
                     await fleet.reload(str(Path(path).resolve()), self.step)
@@ -621,7 +622,6 @@ class Trainer:
                                                             trainer_step=0, created_at=utcnow()))
 
 
-
 def _check_distributed(par: ParallelismConfig, world: int) -> None:
     """What the loop runs over several processes today: FSDP2 and expert parallelism."""
     if par.world_size != world:
@@ -639,7 +639,7 @@ def init_distributed(cfg: TrainerConfig) -> int:
     """Join torchrun's process group (gloo on CPU, NCCL on GPUs); returns the world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        device = cfg.torch_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = cfg.torch_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # rank 0 may wait up to wait_s for groups while the others wait for it
