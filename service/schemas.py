@@ -56,6 +56,8 @@ class TaskValidationPublic(BaseModel):
     empty: str | None
     """Resolution with no change (never FULL when valid)."""
     error: str | None
+    redacted: list[str] = []
+    """["error"] when the error is the grading harness's output and the caller has no API token."""
 
 
 class SuiteValidationPublic(BaseModel):

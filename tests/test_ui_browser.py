@@ -14,7 +14,7 @@ import pytest
 
 from service import db
 from service.tiny_model import init_tiny
-from tests.conftest import auth, make_settings, missing_service
+from tests.conftest import TOKEN, auth, make_settings, missing_service
 from tests.sandbox_fixtures import require_bwrap
 from tests.servers import ThreadServer
 from tests.test_rollout_e2e import SUITE
@@ -63,14 +63,16 @@ def service(tmp_path_factory, vllm_fleet):
             assert wait_run(client, model["id"])["status"] == "finished"
             engine = db.make_async_engine(url)
             hostile_id, hostile_episodes = asyncio.run(_hostile(engine))
+            _, long_episodes = asyncio.run(_hostile(db.make_async_engine(url), n_turns=55))  # more than a page
             yield {"url": server.url, "client": client, "oracle": oracle["id"], "model": model["id"],
+                   "long_hostile": str(long_episodes[0]),
                    "hostile": str(hostile_id), "hostile_episodes": [str(e) for e in hostile_episodes],
                    "suite": suite["id"], "tokenizer": tokenizer}
 
 
-async def _hostile(engine):
+async def _hostile(engine, n_turns: int = 3):
     try:
-        return await hostile_run(engine, n_turns=3)
+        return await hostile_run(engine, n_turns=n_turns)
     finally:
         await engine.dispose()
 
@@ -88,14 +90,25 @@ def browser():
 
 
 class Page:
-    """A page that records console errors and uncaught exceptions."""
+    """A page that records console errors and uncaught exceptions; with `token`, it first gives
+    the API token to the header's form, so answers (oracle turns, test logs) are shown."""
 
-    def __init__(self, browser, base: str):
+    def __init__(self, browser, base: str, token: str | None = TOKEN):
         self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
         self.base, self.errors = base, []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.on("dialog", lambda d: (self.errors.append(f"dialog: {d.message}"), d.dismiss()))
+        if token is not None:
+            self.show_answers("/", token)
+
+    def show_answers(self, path: str, token: str):
+        page = self.open(path)
+        page.fill("#answers-token", token)
+        page.click("#show-answers")
+        page.wait_for_selector("#hide-answers")
+        page.wait_for_selector("body[data-ready=yes]")
+        return page
 
     def open(self, path: str):
         self.page.goto(self.base + path)
@@ -211,4 +224,22 @@ def test_sampled_tokens_are_shaded_by_logprob(service, browser):
     p.shot("episode-shaded")
     page.uncheck("#shade")
     assert page.locator("#turn-0 pre.shaded").is_hidden()
+    assert p.errors == []
+
+
+def test_answers_are_redacted_without_the_token(service, browser):
+    episode = service["long_hostile"]  # of an oracle run
+    p = Page(browser, service["url"], token=None)
+    page = p.open(f"/episodes/{episode}")
+    assert page.locator(".turn .redacted").count() == 50 and page.locator("#shade").count() == 0
+    assert page.locator(".turn pre.assistant").count() == 0 and "redacted: needs the API token" in page.locator("#turn-0").inner_text()
+    page.keyboard.press("End")  # the rest arrive from the API as the reader nears the end, redacted the same way
+    page.wait_for_selector("#turn-54 .redacted")
+    p.shot("episode-redacted")
+    page = p.show_answers(f"/episodes/{episode}", TOKEN)
+    assert page.url.endswith(f"/episodes/{episode}") and page.locator(".turn .redacted").count() == 0
+    assert "<script>window.__xss = 1</script>" in page.locator("#turn-0 pre.assistant").inner_text()
+    page.click("#hide-answers")
+    page.wait_for_selector("#show-answers")
+    assert page.locator(".turn .redacted").count() == 50
     assert p.errors == []

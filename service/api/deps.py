@@ -49,5 +49,4 @@ def require_token(authorized: Annotated[bool, Depends(has_token)]) -> None:
         )
 
 
-AuthorizedDep = Annotated[bool, Depends(has_token)]
 TOKEN_REQUIRED = [Depends(require_token)]

@@ -1,27 +1,33 @@
 """HTML pages: runs, a run, an episode, suites, a suite, a task. Data comes from the same
-queries as the REST API; the pages' scripts read the REST API and the events stream."""
+queries as the REST API, redacted the same way; the pages' scripts read the REST API and the
+events stream. POST /ui/token keeps the API token's cookie for reading answers."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from urllib.parse import parse_qs
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
+from service.api.answers import REDACTED, AnswersDep, answers, remember
 from service.api.deps import SessionDep
-from service.api.routes.runs import _episode, get_run, progress, progress_many
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Suite, Task, Turn
+from service.api.routes.runs import episode_detail, get_run, progress, progress_many
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Suite, Task
 from service.ui import HERE
 
 router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.globals["REDACTED"] = REDACTED
 FIRST_TURNS = 50
+MAX_FORM_BYTES = 4096
 
 
 def _page(request: Request, name: str, **context) -> HTMLResponse:
+    context |= {"token_required": not request.app.state.settings.local_mode, "answers_shown": answers(request).shown}
     return templates.TemplateResponse(request, name, context)
 
 
@@ -42,7 +48,7 @@ async def runs_page(request: Request, session: SessionDep, limit: int = Query(10
     total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
     items = await progress_many(session, list(runs))
     return _page(request, "runs.html", runs=items, total=total, active=RUN_ACTIVE_STATUSES,
-                 final=EPISODE_FINAL_STATUSES, token_required=not request.app.state.settings.local_mode)
+                 final=EPISODE_FINAL_STATUSES)
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
@@ -81,21 +87,15 @@ async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
 
 
 @router.get("/episodes/{episode_id}", response_class=HTMLResponse)
-async def episode_page(request: Request, session: SessionDep, episode_id: uuid.UUID):
-    row = (await session.execute(sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id)
-                                 .where(Episode.id == episode_id))).first()
-    if row is None:
-        raise HTTPException(status_code=404, detail=f"episode {episode_id} not found")
-    episode, instance_id = row
-    turns = (await session.scalars(sa.select(Turn).where(Turn.episode_id == episode_id).order_by(Turn.idx)
-                                   .limit(FIRST_TURNS))).all()
+async def episode_page(request: Request, session: SessionDep, answers: AnswersDep, episode_id: uuid.UUID):
+    e = await episode_detail(session, answers, episode_id, turns_limit=FIRST_TURNS)
     siblings = (await session.execute(sa.select(Episode.id).join(Task, Task.id == Episode.task_id)
-                                      .where(Episode.run_id == episode.run_id)
+                                      .where(Episode.run_id == e["run_id"])
                                       .order_by(Task.instance_id, Episode.sample_index))).scalars().all()
-    at = siblings.index(episode.id)
-    report = episode.report or {}
-    return _page(request, "episode.html", e=_episode(episode, instance_id), turns=turns, report=report,
-                 tests=_tests(report), diff=diff_lines(episode.diff), more=episode.n_turns > len(turns),
+    at = siblings.index(episode_id)
+    report = e["report"] or {}
+    return _page(request, "episode.html", e=e, turns=e["turns"], report=report, tests=_tests(report),
+                 diff=diff_lines(e["diff"]), more=e["n_turns"] > len(e["turns"]),
                  prev_id=siblings[at - 1] if at > 0 else None,
                  next_id=siblings[at + 1] if at + 1 < len(siblings) else None,
                  tool_json=lambda t: json.dumps(t, indent=1, ensure_ascii=False))
@@ -129,8 +129,26 @@ async def suite_page(request: Request, session: SessionDep, suite_id: uuid.UUID,
 
 
 @router.get("/tasks/{task_id}", response_class=HTMLResponse)
-async def task_page(request: Request, session: SessionDep, task_id: uuid.UUID):
+async def task_page(request: Request, session: SessionDep, answers: AnswersDep, task_id: uuid.UUID):
     task = await session.get(Task, task_id)
     if task is None:
         raise HTTPException(status_code=404, detail=f"task {task_id} not found")
-    return _page(request, "task.html", task=task, validation=task.validation or {})
+    return _page(request, "task.html", task=task, validation=answers.validation(task.validation) or {})
+
+
+@router.post("/ui/token")
+async def remember_token(request: Request) -> RedirectResponse:
+    """The header's form: a right token sets the answers cookie, anything else clears it; back to
+    the page it came from (a path on this site only)."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise HTTPException(status_code=413, detail="form too large")
+    form = parse_qs(body.decode(errors="replace"))
+    back = form.get("next", ["/"])[0]
+    if not back.startswith("/") or back.startswith(("//", "/\\")):
+        back = "/"
+    response = RedirectResponse(back, status_code=303)
+    remember(request, response, form.get("token", [""])[0])
+    return response

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Query, Request
 
+from service.api.answers import Answers, AnswersDep, is_oracle
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
 from service.records import decode_array
 from service.runs import RunConfig, RunError, create_run
@@ -113,10 +114,10 @@ async def cancel_run(session: SessionDep, run_id: uuid.UUID) -> dict:
 
 
 @router.get("/runs/{run_id}/episodes", responses={404: {"model": Problem}})
-async def list_episodes(session: SessionDep, run_id: uuid.UUID, status: str | None = None,
+async def list_episodes(session: SessionDep, answers: AnswersDep, run_id: uuid.UUID, status: str | None = None,
                         task: str | None = None, min_reward: float | None = None,
                         policy_version: int | None = None, limit: Limit = 100, offset: Offset = 0) -> dict:
-    await get_run(session, run_id)
+    oracle = is_oracle((await get_run(session, run_id)).config)
     where = [Episode.run_id == run_id]
     if status is not None:
         where.append(Episode.status == status)
@@ -129,7 +130,8 @@ async def list_episodes(session: SessionDep, run_id: uuid.UUID, status: str | No
     base = sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id).where(*where)
     total = await session.scalar(sa.select(sa.func.count()).select_from(base.subquery()))
     rows = (await session.execute(base.order_by(Episode.created_at, Episode.sample_index).limit(limit).offset(offset))).all()
-    return {"items": [_episode(e, instance_id) for e, instance_id in rows], "total": total, "limit": limit, "offset": offset}
+    return {"items": [answers.episode(_episode(e, instance_id), oracle=oracle) for e, instance_id in rows],
+            "total": total, "limit": limit, "offset": offset}
 
 
 def _episode(e: Episode, instance_id: str) -> dict:
@@ -151,43 +153,57 @@ def _array(blob: bytes | None, encoding: str):
     return decode_array(blob).tolist()
 
 
+def _turn(t: Turn, arrays: str) -> dict:
+    item = {"idx": t.idx, "segment": t.segment, "policy_version": t.policy_version, "finish_reason": t.finish_reason,
+            "text": t.text, "tool_call": t.tool_call, "observation": t.observation,
+            "n_input_tokens": t.n_input_tokens, "n_output_tokens": t.n_output_tokens,
+            "generation_s": t.generation_s, "tool_s": t.tool_s}
+    if arrays != "none":
+        item |= {k: _array(getattr(t, k), arrays) for k in ("input_ids", "output_ids", "output_logprobs", "routed_experts")}
+    return item
+
+
+async def episode_detail(session, answers: Answers, episode_id: uuid.UUID, *, arrays: str = "none",
+                         turns_offset: int = 0, turns_limit: int | None = None) -> dict:
+    """An episode with its report, diff and turns, as this caller may see them."""
+    row = (await session.execute(sa.select(Episode, Task.instance_id, Run.config)
+                                 .join(Task, Task.id == Episode.task_id).join(Run, Run.id == Episode.run_id)
+                                 .where(Episode.id == episode_id))).first()
+    if row is None:
+        raise HTTPException(status_code=404, detail=f"episode {episode_id} not found")
+    episode, instance_id, config = row
+    query = sa.select(Turn).where(Turn.episode_id == episode_id, Turn.idx >= turns_offset).order_by(Turn.idx)
+    turns = (await session.scalars(query.limit(turns_limit) if turns_limit else query)).all()
+    out = _episode(episode, instance_id) | {"report": episode.report, "diff": episode.diff,
+                                           "segment_starts": episode.segment_starts,
+                                           "turns": [_turn(t, arrays) for t in turns]}
+    return answers.episode(out, oracle=is_oracle(config))
+
+
 @router.get("/episodes/{episode_id}", responses={404: {"model": Problem}})
-async def show_episode(session: SessionDep, episode_id: uuid.UUID,
+async def show_episode(session: SessionDep, answers: AnswersDep, episode_id: uuid.UUID,
                        arrays: Literal["none", "base64", "json"] = "none",
                        turns_offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
                        turns_limit: Annotated[int | None, Query(ge=1, le=100_000)] = None) -> dict:
     """The episode with its turns (all, or `turns_limit` from `turns_offset`: long episodes
-    load page by page)."""
-    row = (await session.execute(sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id)
-                                 .where(Episode.id == episode_id))).first()
-    if row is None:
-        raise HTTPException(status_code=404, detail=f"episode {episode_id} not found")
-    episode, instance_id = row
-    query = sa.select(Turn).where(Turn.episode_id == episode_id, Turn.idx >= turns_offset).order_by(Turn.idx)
-    turns = (await session.scalars(query.limit(turns_limit) if turns_limit else query)).all()
-    out = _episode(episode, instance_id) | {"report": episode.report, "diff": episode.diff,
-                                           "segment_starts": episode.segment_starts, "turns": []}
-    for t in turns:
-        item = {"idx": t.idx, "segment": t.segment, "policy_version": t.policy_version, "finish_reason": t.finish_reason,
-                "text": t.text, "tool_call": t.tool_call, "observation": t.observation,
-                "n_input_tokens": t.n_input_tokens, "n_output_tokens": t.n_output_tokens,
-                "generation_s": t.generation_s, "tool_s": t.tool_s}
-        if arrays != "none":
-            item |= {k: _array(getattr(t, k), arrays) for k in ("input_ids", "output_ids", "output_logprobs", "routed_experts")}
-        out["turns"].append(item)
-    return out
+    load page by page). Without the API token, `redacted` (on the episode, its report and each
+    turn) names what was withheld: an oracle episode's turns and diff, the grading log tail."""
+    return await episode_detail(session, answers, episode_id, arrays=arrays, turns_offset=turns_offset,
+                                turns_limit=turns_limit)
 
 
 @router.get("/episodes/{episode_id}/tokens", responses={404: {"model": Problem}, 409: {"model": Problem}})
-async def episode_tokens(session: SessionDep, episode_id: uuid.UUID,
+async def episode_tokens(session: SessionDep, answers: AnswersDep, episode_id: uuid.UUID,
                          turn: Annotated[int, Query(ge=0, le=2**31 - 1)]) -> dict:
     """A turn's sampled tokens, each decoded alone with the run's tokenizer, with its logprob
-    (for logprob shading in the episode viewer)."""
+    (for logprob shading in the episode viewer); none of an oracle's without the API token."""
     row = (await session.execute(sa.select(Turn.output_ids, Turn.output_logprobs, Run.config)
                                  .join(Episode, Episode.id == Turn.episode_id).join(Run, Run.id == Episode.run_id)
                                  .where(Turn.episode_id == episode_id, Turn.idx == turn))).first()
     if row is None:
         raise HTTPException(status_code=404, detail=f"episode {episode_id} has no turn {turn}")
+    if answers.hides_turns(is_oracle(row.config)):
+        return {"turn": turn, "tokens": [], "redacted": ["tokens"]}
     tokenizer_dir = (row.config.get("policy") or {}).get("tokenizer")
     try:
         from service.rollout import _tokenizer
@@ -199,11 +215,12 @@ async def episode_tokens(session: SessionDep, episode_id: uuid.UUID,
     ids = decode_array(row.output_ids).tolist()
     logprobs = decode_array(row.output_logprobs).tolist() if row.output_logprobs else [None] * len(ids)
     return {"turn": turn, "tokens": [{"id": i, "text": tok.decode([i], skip_special_tokens=False), "logprob": lp}
-                                     for i, lp in zip(ids, logprobs)]}
+                                     for i, lp in zip(ids, logprobs)], "redacted": []}
 
 
 @router.get("/events", responses={404: {"model": Problem}})
-async def events(request: Request, run: uuid.UUID, poll_s: Annotated[float, Query(ge=0.1, le=30)] = 1.0):
+async def events(request: Request, answers: AnswersDep, run: uuid.UUID,
+                 poll_s: Annotated[float, Query(ge=0.1, le=30)] = 1.0):
     """Server-sent events for a run: `progress` (the run's counts), `episode` (each episode
     that started or ended since the last event) and `end` when the run is over."""
     import json
@@ -212,7 +229,7 @@ async def events(request: Request, run: uuid.UUID, poll_s: Annotated[float, Quer
 
     sessions = request.app.state.sessions
     async with sessions() as session:
-        await get_run(session, run)
+        oracle = is_oracle((await get_run(session, run)).config)
 
     def event(kind: str, data: dict) -> str:
         return f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n"
@@ -228,7 +245,7 @@ async def events(request: Request, run: uuid.UUID, poll_s: Annotated[float, Quer
                 key = (episode.status, episode.n_turns, episode.reward)
                 if seen.get(episode.id) != key:
                     seen[episode.id] = key
-                    yield event("episode", _episode(episode, instance_id))
+                    yield event("episode", answers.episode(_episode(episode, instance_id), oracle=oracle))
             yield event("progress", state)
             if state["status"] not in RUN_ACTIVE_STATUSES:
                 yield event("end", {"status": state["status"]})

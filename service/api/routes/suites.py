@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
 from service import suites as importer
+from service.api.answers import AnswersDep
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep, SettingsDep
 from service.api.routes.tasks import task_summary
 from service.schemas import (
@@ -128,14 +129,14 @@ async def validate_suite(request: Request, session: SessionDep, engine: EngineDe
 
 
 @router.get("/{suite_id}/validation", response_model=SuiteValidationPublic, responses={404: {"model": Problem}})
-async def show_validation(session: SessionDep, suite_id: uuid.UUID) -> dict:
+async def show_validation(session: SessionDep, answers: AnswersDep, suite_id: uuid.UUID) -> dict:
     suite = await live_suite(session, suite_id)
     rows = await session.execute(sa.select(Task.id, Task.instance_id, Task.validation)
                                  .where(Task.suite_id == suite_id).order_by(Task.position))
-    results = [{"task_id": r.id, "instance_id": r.instance_id, "valid": r.validation["valid"],
-                "gold": (r.validation["gold"] or {}).get("resolution"),
-                "empty": (r.validation["empty"] or {}).get("resolution"), "error": r.validation["error"]}
-               for r in rows if r.validation]
+    validations = [(r, answers.validation(r.validation)) for r in rows if r.validation]
+    results = [{"task_id": r.id, "instance_id": r.instance_id, "valid": v["valid"],
+                "gold": (v["gold"] or {}).get("resolution"), "empty": (v["empty"] or {}).get("resolution"),
+                "error": v["error"], "redacted": v["redacted"]} for r, v in validations]
     return {"status": suite.validation_status or "never", "validated_at": suite.validated_at, "results": results}
 
 

@@ -6,7 +6,8 @@ import uuid
 
 from fastapi import APIRouter, HTTPException
 
-from service.api.deps import AuthorizedDep, SessionDep
+from service.api.answers import AnswersDep
+from service.api.deps import SessionDep
 from service.schemas import Problem, TaskPublic, TaskSummary
 from service.tables import Task
 
@@ -23,7 +24,7 @@ def task_summary(task: Task) -> TaskSummary:
 
 
 @router.get("/{task_id}", response_model=TaskPublic, responses={404: {"model": Problem}})
-async def show_task(session: SessionDep, task_id: uuid.UUID, authorized: AuthorizedDep) -> TaskPublic:
+async def show_task(session: SessionDep, task_id: uuid.UUID, answers: AnswersDep) -> TaskPublic:
     task = await session.get(Task, task_id)
     if task is None:
         raise HTTPException(status_code=404, detail=f"task {task_id} not found")
@@ -34,7 +35,5 @@ async def show_task(session: SessionDep, task_id: uuid.UUID, authorized: Authori
         environment_setup_commit=task.environment_setup_commit, hints_text=task.hints_text,
         created_at=task.task_created_at, source=task.source, image=task.image,
         install=task.install, test_cmd=task.test_cmd, log_parser=task.log_parser,
-        extra=task.extra, answers_included=authorized,
-        patch=task.patch if authorized else None,
-        test_patch=task.test_patch if authorized else None,
+        extra=task.extra, **answers.task(task.patch, task.test_patch),
     )  # fmt: skip

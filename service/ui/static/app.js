@@ -178,6 +178,10 @@ function renderTurn(t) {
   head.appendChild(el("span", "muted small",
     `v${fmt(t.policy_version)} · ${t.n_input_tokens} in / ${t.n_output_tokens} out · model ${fmt(t.generation_s, 2)} s · tool ${fmt(t.tool_s, 2)} s · ${t.finish_reason || ""}`));
   li.appendChild(head);
+  if (t.redacted && t.redacted.length) {
+    li.appendChild(el("p", "redacted", document.getElementById("turns").dataset.redacted));
+    return li;
+  }
   li.appendChild(el("pre", "assistant", t.text || ""));
   if (t.tool_call) li.appendChild(el("pre", "tool-call", JSON.stringify(t.tool_call, null, 1)));
   if (t.observation !== null && t.observation !== undefined) {
