@@ -67,6 +67,11 @@ def parse_tool_call(text: str) -> ParsedAction:
             return ParsedAction(None, f"The tool call's arguments are not valid JSON ({e.msg}).")
     if not isinstance(arguments, dict):
         return ParsedAction(None, '"arguments" must be an object.')
+    try:  # JSON can escape a lone surrogate, which no shell, file or tokenizer takes
+        json.dumps([data["name"], arguments], ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return ParsedAction(None, "The tool call holds a lone surrogate (a \\ud800-\\udfff escape without "
+                                  "its pair), which is not text.")
     return ParsedAction(ToolCall(data["name"], arguments))
 
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandboxes.base import SandboxError
+from service.buffer import StorageError
 from service.inference import ContextExceeded, InferenceClient, ProviderError, SamplingParams
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -73,7 +74,7 @@ class EpisodeResult:
 
 class TurnSink(Protocol):
     async def append(self, turn: TurnRecord) -> None:
-        """Persist one finished turn (called as each turn completes)."""
+        """Persist one finished turn (called as each turn completes). Raises StorageError."""
         ...
 
 
@@ -133,7 +134,7 @@ class TokenRenderer:
 
 async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg: AgentConfig,
                       sink: TurnSink, *, session: str | None = None) -> EpisodeResult:
-    """Run one episode to a final status. Failures of the sandbox or the fleet end it as data."""
+    """Run one episode to a final status. Failures of the sandbox, fleet or store end it as data."""
     messages = env.first_messages()
     context = renderer.initial(messages)
     pending = list(context)  # the first turn's input: the whole prompt
@@ -161,8 +162,8 @@ async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg
                     generation_s=generated - started, tool_s=time.monotonic() - generated,
                     routed_experts=gen.routed_experts,
                 )  # fmt: skip
-                _account(result, turn)
                 await sink.append(turn)
+                _account(result, turn)  # once stored: n_turns counts the turns the store holds
                 context.extend(gen.output_ids)
                 messages.append({"role": "assistant", "content": text})
                 if step.done:
@@ -187,6 +188,8 @@ async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg
         _failed(result, "sandbox_error", e)
     except ProviderError as e:
         _failed(result, "provider_error", e)
+    except StorageError as e:
+        _failed(result, "storage_error", e)
     return result
 
 

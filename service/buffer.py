@@ -4,12 +4,16 @@ ready when all its episodes are final, and the trainer claims ready groups under
 A claim is committed when the training step that used it commits; a lease that expires
 returns its groups, so a crashed trainer loses nothing and trains on nothing twice. On
 PostgreSQL claims use `FOR UPDATE SKIP LOCKED`; SQLite (embedded, one process) serialises
-writers instead. Light module: no FastAPI, no Celery.
+writers instead. Text that agents and tasks wrote goes through `storable` on its way in, so
+no bytes can fail a write. Light module: no FastAPI, no Celery.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -34,6 +38,51 @@ class TurnsLost(Exception):
 
 class ClaimLost(Exception):
     """The claim's lease expired and its groups went back to the buffer (or to another trainer)."""
+
+
+class StorageError(Exception):
+    """The database refused a write for good (a value or a constraint it rejects, not a lost
+    connection): the same write would fail again, so the episode ends storage_error."""
+
+
+# C0 controls but tab and line breaks, DEL, lone surrogates: PostgreSQL takes no NUL in text or
+# jsonb, neither database takes a lone surrogate, and escape sequences would drive the terminal
+# of whoever reads the row.
+_UNSTORABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
+
+
+def _picture(match: re.Match) -> str:
+    code = ord(match.group())
+    return "\u2421" if code == 0x7F else chr(0x2400 + code) if code < 0x20 else "\ufffd"
+
+
+def storable(value):
+    """A text or JSON value as the database keeps it: in every string (keys too) NUL, ESC and
+    the other controls but tab and line breaks become their Unicode control pictures (U+2400 +
+    code: NUL ␀, ESC ␛, DEL ␡) and lone surrogates U+FFFD; all else is unchanged. Display text
+    only: token ids, what the model saw and what training reads, are stored apart, untouched."""
+    if isinstance(value, str):
+        return _UNSTORABLE.sub(_picture, value)
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(v) for v in value]
+    return value
+
+
+@contextmanager
+def _refusals(what: str) -> Iterator[None]:
+    """Raise StorageError for a write the database refuses; a lost connection, a pool timeout
+    or a conflict between transactions passes unchanged, for the caller to retry."""
+    try:
+        yield
+    except sa.exc.DBAPIError as e:
+        sqlstate = getattr(e.orig, "sqlstate", None) or ""
+        # psycopg files PostgreSQL's class 54 (program limit exceeded) as operational, yet it is final
+        if isinstance(e, (sa.exc.OperationalError, sa.exc.InterfaceError)) and not sqlstate.startswith("54"):
+            raise
+        reason = str(e.orig).splitlines()[0] if str(e.orig) else ""
+        raise StorageError(f"the database refused {what}: {type(e.orig).__name__}: {reason}") from e
 
 
 @dataclass(frozen=True)
@@ -109,28 +158,31 @@ class Buffer:
 
     async def append_turn(self, episode_id: uuid.UUID, turn, attempt: int | None = None) -> None:
         """Store one finished turn; a repeat of the same (episode, idx) is ignored. With
-        `attempt`, raise Superseded (storing nothing) unless that attempt is the running one."""
+        `attempt`, raise Superseded (storing nothing) unless that attempt is the running one.
+        Raises StorageError if the database refuses the turn."""
         row = {
             "episode_id": episode_id, "idx": turn.idx, "segment": turn.segment,
             "input_ids": encode_ids(turn.input_ids), "output_ids": encode_ids(turn.output_ids),
             "output_logprobs": encode_logprobs(turn.output_logprobs),
             "routed_experts": None if turn.routed_experts is None else encode_routed_experts(turn.routed_experts),
             "n_input_tokens": len(turn.input_ids), "n_output_tokens": len(turn.output_ids),
-            "policy_version": turn.policy_version, "finish_reason": turn.finish_reason,
-            "text": turn.text, "tool_call": turn.tool_call, "observation": turn.observation,
+            "policy_version": turn.policy_version, "finish_reason": storable(turn.finish_reason),
+            "text": storable(turn.text), "tool_call": storable(turn.tool_call),
+            "observation": storable(turn.observation),
             "started_at": utcnow(), "generation_s": turn.generation_s, "tool_s": turn.tool_s,
         }  # fmt: skip
-        async with self.engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                await self._append_pg(conn, row, attempt)
-                return
-            if attempt is not None:
-                fence = sa.select(Episode.id).where(Episode.id == episode_id, Episode.attempt == attempt,
-                                                    Episode.status == "running")
-                if (await conn.execute(fence)).first() is None:
-                    raise Superseded(f"episode {episode_id}: attempt {attempt} is no longer the running one")
-            stmt = _insert(conn)(Turn).values(**row).on_conflict_do_nothing(index_elements=["episode_id", "idx"])
-            await conn.execute(stmt)
+        with _refusals(f"turn {turn.idx} of episode {episode_id}"):
+            async with self.engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    await self._append_pg(conn, row, attempt)
+                    return
+                if attempt is not None:
+                    fence = sa.select(Episode.id).where(Episode.id == episode_id, Episode.attempt == attempt,
+                                                        Episode.status == "running")
+                    if (await conn.execute(fence)).first() is None:
+                        raise Superseded(f"episode {episode_id}: attempt {attempt} is no longer the running one")
+                stmt = _insert(conn)(Turn).values(**row).on_conflict_do_nothing(index_elements=["episode_id", "idx"])
+                await conn.execute(stmt)
 
     @staticmethod
     async def _append_pg(conn: AsyncConnection, row: dict, attempt: int | None) -> None:
@@ -138,14 +190,19 @@ class Buffer:
         one round trip with the commit mode. A turn is durable once the server has it; waiting
         for its WAL flush on every turn would cap a worker at a few hundred turns/s (episode
         ends stay synchronous, and an episode end checks that all its turns are there)."""
+        import psycopg
         from psycopg.types.json import Jsonb
 
         raw = (await conn.get_raw_connection()).driver_connection
         params = {**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
                   "attempt": attempt}
-        async with raw.pipeline(), raw.cursor() as cur:
-            await cur.execute("SET LOCAL synchronous_commit TO OFF")
-            await cur.execute(_PG_APPEND if attempt is not None else _PG_APPEND_UNFENCED, params, prepare=True)
+        statement = _PG_APPEND if attempt is not None else _PG_APPEND_UNFENCED
+        try:
+            async with raw.pipeline(), raw.cursor() as cur:
+                await cur.execute("SET LOCAL synchronous_commit TO OFF")
+                await cur.execute(statement, params, prepare=True)
+        except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
+            raise sa.exc.DBAPIError.instance(statement, None, e, psycopg.Error, hide_parameters=True) from e
         if cur.rowcount == 0 and attempt is not None:  # a repeat of a stored turn, or a fenced-off attempt
             current = await conn.scalar(sa.select(Episode.id).where(
                 Episode.id == row["episode_id"], Episode.attempt == attempt, Episode.status == "running"))
@@ -155,24 +212,27 @@ class Buffer:
     async def finish_episode(self, episode_id: uuid.UUID, attempt: int | None = None, **fields) -> bool:
         """Make an episode final (status and results in `fields`) exactly once; when it was the
         last of its group, the group becomes ready. Returns False if it was already final (or,
-        with `attempt`, if a newer attempt took over)."""
+        with `attempt`, if a newer attempt took over). Raises StorageError if the database
+        refuses the fields, TurnsLost if fewer than `n_turns` turns are stored."""
         if fields.get("status") not in EPISODE_FINAL_STATUSES:
             raise ValueError(f"status must be one of {EPISODE_FINAL_STATUSES}, got {fields.get('status')!r}")
         where = [Episode.id == episode_id, Episode.status.not_in(EPISODE_FINAL_STATUSES)]
         if attempt is not None:
             where.append(Episode.attempt == attempt)
-        async with self.engine.begin() as conn:
-            updated = await conn.execute(
-                sa.update(Episode).where(*where).values(finished_at=utcnow(), **fields).returning(Episode.group_id))
-            group_id = updated.scalar_one_or_none()
-            if group_id is None:
-                return False
-            if fields.get("n_turns") is not None:
-                stored = await conn.scalar(sa.select(sa.func.count()).select_from(Turn)
-                                           .where(Turn.episode_id == episode_id))
-                if stored != fields["n_turns"]:
-                    raise TurnsLost(f"episode {episode_id}: {fields['n_turns']} turns produced, {stored} stored")
-            await self._maybe_ready(conn, group_id)
+        values = {name: storable(value) for name, value in fields.items()}
+        with _refusals(f"the end of episode {episode_id}"):
+            async with self.engine.begin() as conn:
+                updated = await conn.execute(
+                    sa.update(Episode).where(*where).values(finished_at=utcnow(), **values).returning(Episode.group_id))
+                group_id = updated.scalar_one_or_none()
+                if group_id is None:
+                    return False
+                if fields.get("n_turns") is not None:
+                    stored = await conn.scalar(sa.select(sa.func.count()).select_from(Turn)
+                                               .where(Turn.episode_id == episode_id))
+                    if stored != fields["n_turns"]:
+                        raise TurnsLost(f"episode {episode_id}: {fields['n_turns']} turns produced, {stored} stored")
+                await self._maybe_ready(conn, group_id)
         return True
 
     async def _maybe_ready(self, conn: AsyncConnection, group_id: uuid.UUID) -> None:

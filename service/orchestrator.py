@@ -28,7 +28,7 @@ from service.runs import RunConfig
 from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Turn, utcnow
 
 logger = logging.getLogger(__name__)
-FAILURES = ("sandbox_error", "provider_error")
+FAILURES = ("sandbox_error", "provider_error", "storage_error")
 
 
 def new_owner() -> str:

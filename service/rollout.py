@@ -23,7 +23,7 @@ from envs.grading import RewardError
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnv, SWEEnvConfig, grade, task_sandbox
 from sandboxes.base import SandboxError
 from service.agent import EpisodeResult, TokenRenderer, run_episode
-from service.buffer import Buffer, Superseded, TurnsLost
+from service.buffer import Buffer, StorageError, Superseded, TurnsLost
 from service.config import Settings
 from service.inference import FleetConfig, ProviderError, VLLMClient
 from service.policies import oracle, replay
@@ -144,11 +144,18 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
     if result.status == "superseded":
         logger.warning("episode %s attempt %d was superseded by a newer attempt; stopped it", episode_id, attempt)
         return None
-    await db_retry(lambda: buffer.finish_episode(
-        episode_id, attempt=attempt, status=result.status, n_turns=result.n_turns, input_tokens=result.input_tokens,
-        output_tokens=result.output_tokens, segment_starts=result.segment_starts, diff=result.diff,
-        policy_version_min=result.policy_version_min, policy_version_max=result.policy_version_max,
-        error_type=result.error_type, error_message=result.error_message, **fields), f"end of episode {episode_id}")
+    counts = {"n_turns": result.n_turns, "input_tokens": result.input_tokens, "output_tokens": result.output_tokens,
+              "policy_version_min": result.policy_version_min, "policy_version_max": result.policy_version_max}
+    try:
+        await db_retry(lambda: buffer.finish_episode(
+            episode_id, attempt=attempt, status=result.status, segment_starts=result.segment_starts, diff=result.diff,
+            error_type=result.error_type, error_message=result.error_message, **counts, **fields),
+            f"end of episode {episode_id}")
+    except StorageError as e:  # the database refuses what the episode produced: keep the reason, not a retry loop
+        result.status = "storage_error"
+        await db_retry(lambda: buffer.finish_episode(
+            episode_id, attempt=attempt, status=result.status, error_type=type(e).__name__, error_message=str(e),
+            **counts), f"end of episode {episode_id}")
     logger.info("episode finished", extra={"rollout_id": str(episode_id), "task_id": task.instance_id,
                                            "status": result.status, "reward": fields.get("reward")})
     return result.status

@@ -78,7 +78,7 @@ class RunConfig(BaseModel):
     """A queued episode no worker started after this long is sent again (its message may have
     been lost with a broker restart); a duplicate message is harmless."""
     max_consecutive_failures: int = Field(10, ge=1)
-    """Stop the run after this many sandbox/provider errors in a row."""
+    """Stop the run after this many sandbox, provider or storage errors in a row."""
     instance_ids: list[str] | None = None
     """Only these tasks (None: all)."""
     repos: list[str] | None = None

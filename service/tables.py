@@ -18,7 +18,7 @@ BigIntPK = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 RUN_ACTIVE_STATUSES = ("pending", "running", "cancelling")
 EPISODE_FINAL_STATUSES = (
     "submitted", "max_turns", "context_exhausted", "timeout", "sandbox_error",
-    "provider_error", "reward_error", "cancelled",
+    "provider_error", "reward_error", "storage_error", "cancelled",
 )  # fmt: skip
 
 

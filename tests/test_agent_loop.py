@@ -136,3 +136,11 @@ async def test_template_that_rewrites_history_starts_new_segments(tokenizer):
     assert result.status == "submitted"
     assert result.segment_starts == [0, 1, 2, 3]
     assert [t.segment for t in sink.turns] == [0, 1, 2, 3]
+
+
+def test_a_tool_call_holding_a_lone_surrogate_gets_an_observation():
+    """JSON may escape a lone surrogate, which no tokenizer, shell or file can take: the call is
+    answered, not run (it would fail the episode)."""
+    parsed = parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\udcff"}}</tool_call>')
+    assert parsed.call is None and "lone surrogate" in parsed.error
+    assert parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\ud83d\\ude00"}}</tool_call>').call

@@ -1,5 +1,6 @@
 """The buffer on PostgreSQL and SQLite: idempotent turns, groups ready when complete, claims
-with leases, exactly-once consumption, staleness drops; concurrent claimers on PostgreSQL."""
+with leases, exactly-once consumption, staleness drops; concurrent claimers on PostgreSQL; any
+text stored (escaped), and a refused write told apart from a lost connection."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import sqlalchemy as sa
 
 from service import db
 from service.agent import TurnRecord
-from service.buffer import Buffer, ClaimLost
-from service.tables import Episode, Group, Run, Suite, Task, utcnow
+from service.buffer import Buffer, ClaimLost, StorageError, storable
+from service.records import decode_array
+from service.tables import Episode, Group, Run, Suite, Task, Turn, utcnow
 
 
 async def make_groups(engine, n_groups: int, size: int = 2, version: int = 0) -> list[tuple[uuid.UUID, list[uuid.UUID]]]:
@@ -135,3 +137,45 @@ async def test_concurrent_claimers_never_share_a_group(migrated_pg_url):
         assert len(taken) == len(set(taken)) == 40
     finally:
         await engine.dispose()
+
+
+@pytest.mark.parametrize(("raw", "stored"), [
+    ("plain text, tabs\tand\r\nline breaks stay; ünïcödé ✓ 字 🙂", None),
+    ("a\x00b", "a\u2400b"),
+    ("\x1b[31mred\x1b[0m\x07", "\u241b[31mred\u241b[0m\u2407"),
+    ("\x01\x08\x0b\x0c\x0e\x1f\x7f", "\u2401\u2408\u240b\u240c\u240e\u241f\u2421"),
+    ("bad utf-8 \ufffd, lone surrogates \udcff\ud800 and a pair 😀", "bad utf-8 \ufffd, lone surrogates \ufffd\ufffd and a pair 😀"),
+    ({"k\x00": ["\x1b", 1, None, {"n": 2.5}]}, {"k\u2400": ["\u241b", 1, None, {"n": 2.5}]}),
+])  # fmt: skip
+def test_storable_escapes_only_what_databases_and_terminals_cannot_take(raw, stored):
+    assert storable(raw) == (raw if stored is None else stored)
+
+
+async def test_any_text_is_stored_escaped_and_tokens_exactly(buffer):
+    """What an agent or task wrote cannot fail a write, on either database; the token arrays
+    (what the trainer reads) are untouched."""
+    [(_, [episode_id, _])] = await make_groups(buffer.engine, 1)
+    raw = "a\x00b\ufffd\udcff\x1b[31mred\x7f"
+    shown = "a\u2400b\ufffd\ufffd\u241b[31mred\u2421"
+    record = turn(0)
+    record.text, record.observation, record.tool_call = raw, raw, {"name": "bash", "arguments": {raw: [raw]}}
+    await buffer.append_turn(episode_id, record, attempt=0)
+    assert await buffer.finish_episode(episode_id, attempt=0, status="submitted", n_turns=1, diff=raw,
+                                       error_message=raw, report={"log_tail": raw})
+    async with buffer.engine.connect() as conn:
+        stored = (await conn.execute(sa.select(Turn).where(Turn.episode_id == episode_id))).one()
+        episode = (await conn.execute(sa.select(Episode).where(Episode.id == episode_id))).one()
+    assert (stored.text, stored.observation, stored.tool_call) == (shown, shown, {"name": "bash", "arguments": {shown: [shown]}})
+    assert (episode.diff, episode.error_message, episode.report) == (shown, shown, {"log_tail": shown})
+    assert decode_array(stored.input_ids).tolist() == [1, 2, 3] and decode_array(stored.output_ids).tolist() == [4, 5]
+
+
+async def test_a_write_the_database_refuses_is_a_storage_error(buffer):
+    """Not a lost connection: retrying cannot help, so the caller is told (no retry loop)."""
+    [(_, [episode_id, _])] = await make_groups(buffer.engine, 1)
+    with pytest.raises(StorageError, match="refused turn None of episode"):
+        await buffer.append_turn(episode_id, turn(None), attempt=0)  # idx is NOT NULL
+    with pytest.raises(StorageError, match="refused the end of episode"):
+        await buffer.finish_episode(episode_id, status="submitted", input_tokens=None)  # NOT NULL
+    async with buffer.engine.connect() as conn:
+        assert await conn.scalar(sa.select(Episode.status).where(Episode.id == episode_id)) == "running"

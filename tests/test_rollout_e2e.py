@@ -1,6 +1,8 @@
 """End to end on real services: the API creates a run of the example suite with the oracle
 policy, its orchestrator schedules episodes through Redis onto a separate Celery worker
-process, which runs them in bubblewrap sandboxes and streams turns into PostgreSQL."""
+process, which runs them in bubblewrap sandboxes and streams turns into PostgreSQL. Replay runs
+check that any bytes a tool prints are data, and that a write the database refuses ends the
+episode instead of restarting it forever."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ import os
 import uuid
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+import sqlalchemy as sa
 
 from service import db
 from service.buffer import Buffer
@@ -40,14 +45,22 @@ def worker_env(db_url: str, data_dir: Path) -> dict:
         "SWERVE_DATABASE_URL": db_url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(data_dir)}
 
 
+@contextmanager
+def running_worker(db_url: str, data_dir: Path) -> Iterator[tuple[str, Path]]:
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency", "3"],
+                            env=worker_env(db_url, data_dir), stdout=open(data_dir / "worker.log", "w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        yield db_url, data_dir
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 @pytest.fixture
 def worker(migrated_pg_url, tmp_path):
-    env = worker_env(migrated_pg_url, tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency", "3"], env=env,
-                            stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT)
-    yield migrated_pg_url, tmp_path
-    proc.terminate()
-    proc.wait(timeout=60)
+    with running_worker(migrated_pg_url, tmp_path) as handle:
+        yield handle
 
 
 async def test_oracle_run_through_api_redis_worker_and_postgres(worker, tmp_path):
@@ -239,3 +252,89 @@ async def test_tiny_model_run_on_vllm_records_the_context_it_sampled(worker, vll
         episodes = await check_run_trajectories(client, run.json()["id"], model_dir, version)
         assert len(episodes) == 4
         assert (await client.get("/api/v1/buffer")).json()["ready"] == 2
+
+
+async def replay_run(client, tokenizer: Path, calls: list[dict]) -> str:
+    """A run of the example suite's first task with the replay policy; its id."""
+    body = SUITE.read_text().splitlines()[0] + "\n"
+    suite = (await client.post("/api/v1/suites", params={"name": f"ex-{uuid.uuid4().hex[:6]}"}, content=body,
+                               headers={"Content-Type": "application/x-ndjson", **auth()})).json()
+    run = await client.post("/api/v1/runs", headers=auth(), json={
+        "suite_id": suite["id"], "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
+        "samples_per_task": 1, "concurrency": 1})
+    assert run.status_code == 201, run.text
+    return run.json()["id"]
+
+
+async def test_any_bytes_are_data(worker, tmp_path):
+    """NUL, invalid UTF-8 and terminal escapes in tool output and in a binary file (through cat
+    and the editor) are stored, shown with the controls escaped, and trained on as sampled."""
+    from transformers import AutoTokenizer
+
+    db_url, data_dir = worker
+    tokenizer = init_tiny(tmp_path / "tiny")
+    calls = [
+        {"name": "bash", "arguments": {"command": "printf 'a\\0b\\377\\033[31mred\\n'"}},
+        {"name": "bash", "arguments": {"command": "printf '\\177ELF\\0\\0\\1\\377\\376' > /tmp/blob && cat /tmp/blob"}},
+        {"name": "str_replace_editor", "arguments": {"command": "view", "path": "/tmp/blob"}},
+        {"name": "str_replace_editor", "arguments": {"command": "view", "path": "/tmp/blob", "view_range": [1, -1]}},
+    ]
+    async with client_for(make_settings(db_url, broker_url=BROKER, data_dir=data_dir)) as client:
+        run_id = await replay_run(client, tokenizer, calls)
+        state = await wait_for_run(client, run_id, timeout_s=180, log=data_dir / "worker.log")
+        assert state["status"] == "finished" and state["episodes"] == {"submitted": 1}, state
+        [episode] = (await client.get(f"/api/v1/runs/{run_id}/episodes", headers=auth())).json()["items"]
+        assert episode["attempt"] == 0 and episode["reward"] == 0.0, episode  # graded: the task is not fixed
+        detail = (await client.get(f"/api/v1/episodes/{episode['id']}", params={"arrays": "json"},
+                                   headers=auth())).json()
+        page = await client.get(f"/episodes/{episode['id']}", headers=auth())
+    turns = detail["turns"]
+    assert detail["report"]["resolution"] == "NO"
+    assert [t["tool_call"]["name"] for t in turns] == ["bash"] * 2 + ["str_replace_editor"] * 2 + ["submit"]
+    assert turns[0]["observation"] == "a\u2400b\ufffd\u241b[31mred\n\n[exit code 0]"
+    assert turns[1]["observation"] == "\u2421ELF\u2400\u2400\u2401\ufffd\ufffd\n[exit code 0]"
+    assert turns[2]["observation"] == "/tmp/blob is a binary file (9 bytes); it cannot be shown as text."
+    assert turns[3]["observation"].startswith("     1\t\u2421ELF\u2400")
+    assert page.status_code == 200 and "a\u2400b\ufffd\u241b[31mred" in page.text
+    assert "\x00" not in page.text and "\x1b" not in page.text
+    # the model was shown the bytes themselves: the next turn's input tokens hold them, not the pictures
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    shown = tok.decode(turns[1]["input_ids"])
+    assert "a\x00b\ufffd\x1b[31mred\n" in shown and "\u2400" not in shown
+    assert "\x7fELF\x00\x00\x01\ufffd\ufffd" in tok.decode(turns[2]["input_ids"])
+
+
+@pytest.fixture
+def refusing_worker(empty_pg_url, tmp_path):
+    """A worker on a database that refuses, for good, turns whose observation and episodes whose
+    diff hold the word "forbidden-word" (CHECK constraints: writes no retry can make succeed)."""
+    db.upgrade(empty_pg_url)
+    engine = db.make_engine(empty_pg_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE turns ADD CONSTRAINT refuse CHECK (observation NOT LIKE '%forbidden-word%')"))
+        conn.execute(sa.text("ALTER TABLE episodes ADD CONSTRAINT refuse CHECK (diff NOT LIKE '%forbidden-word%')"))
+    engine.dispose()
+    with running_worker(empty_pg_url, tmp_path) as handle:
+        yield handle
+
+
+@pytest.mark.parametrize(("calls", "n_turns", "refused"), [
+    ([{"name": "bash", "arguments": {"command": "echo fine"}},
+      {"name": "bash", "arguments": {"command": "echo forbidden-word"}}], 1, "turn 1 of episode"),
+    ([{"name": "bash", "arguments": {"command": "echo forbidden-word > NOTE.txt"}}], 2, "end of episode"),
+])
+async def test_a_write_the_database_refuses_ends_the_episode(refusing_worker, tmp_path, calls, n_turns, refused):
+    """A non-transient database error (not a lost connection) ends the episode storage_error
+    with the database's reason, once: no new attempt, no run that never finishes."""
+    db_url, data_dir = refusing_worker
+    tokenizer = init_tiny(tmp_path / "tiny")
+    async with client_for(make_settings(db_url, broker_url=BROKER, data_dir=data_dir)) as client:
+        run_id = await replay_run(client, tokenizer, calls)
+        state = await wait_for_run(client, run_id, timeout_s=180, log=data_dir / "worker.log")
+        assert state["status"] == "finished" and state["episodes"] == {"storage_error": 1}, state
+        [episode] = (await client.get(f"/api/v1/runs/{run_id}/episodes", headers=auth())).json()["items"]
+        detail = (await client.get(f"/api/v1/episodes/{episode['id']}", headers=auth())).json()
+    assert (episode["attempt"], episode["n_turns"], len(detail["turns"])) == (0, n_turns, n_turns), episode
+    assert episode["error_type"] == "StorageError" and refused in episode["error_message"]
+    assert 'violates check constraint "refuse"' in episode["error_message"]
+    assert detail["diff"] is None and detail["report"] is None
