@@ -5,12 +5,14 @@ not apply, tests time out, sandbox died) raises RewardError: its reward is NULL,
 
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from envs.integrity import SECTIONED, Guard, IntegrityMode, allowed, conflicting_results, protected, config_test_sections
 from envs.log_parsers import PARSERS
 
 Resolution = Literal["FULL", "PARTIAL", "NO"]
@@ -62,6 +64,8 @@ class GradingReport:
     test_exit_code: int | None = None
     duration_s: float = 0.0
     log_tail: str = ""
+    guards: list[dict] = field(default_factory=list)
+    """Integrity guards that fired (envs/integrity.py): {"guard": ..., "detail": ...}."""
 
     def reward(self, partial_credit: bool = False) -> float:
         if self.resolution == "FULL":
@@ -106,11 +110,35 @@ def resolution(f2p: dict[str, list[str]], p2p: dict[str, list[str]]) -> Resoluti
     return "NO"
 
 
-def report_from_log(log: str, parser: str, f2p: list[str], p2p: list[str]) -> GradingReport:
+def report_from_log(log: str, parser: str, f2p: list[str], p2p: list[str],
+                    exit_code: int | None = None) -> GradingReport:  # fmt: skip
+    """The verdict on a test log. With `exit_code` given, a FULL verdict also needs it to be 0,
+    and a log that reports one test both passing and failing is no pass (printed lines)."""
     status_map = PARSERS[parser](log)
     f2p_report, p2p_report = tests_report(status_map, f2p, p2p)
-    return GradingReport(resolution=resolution(f2p_report, p2p_report), fail_to_pass=f2p_report,
-                         pass_to_pass=p2p_report, tests=status_map, log_tail=log[-4000:])
+    report = GradingReport(resolution=resolution(f2p_report, p2p_report), fail_to_pass=f2p_report,
+                           pass_to_pass=p2p_report, tests=status_map, log_tail=log[-4000:], test_exit_code=exit_code)
+    if exit_code is None:
+        return report
+    if parser in PYTEST_PARSERS and (forged := conflicting_results(_all_statuses(log, parser))):
+        report.guards.append(asdict(Guard("conflicting_results", ", ".join(forged[:20]))))
+    if exit_code != 0 and report.resolution == "FULL":
+        report.guards.append(asdict(Guard("test_exit_code", f"every named test passed but the tests exited {exit_code}")))
+    if report.guards:
+        report.resolution = "NO"
+    return report
+
+
+PYTEST_PARSERS = ("pytest", "pytest_v2", "pytest_options")
+
+
+def _all_statuses(log: str, parser: str) -> dict[str, set[str]]:
+    """Every status each test id is given anywhere in the log (a parser keeps only the last)."""
+    seen: dict[str, set[str]] = {}
+    for line in log.splitlines():
+        for case, status in PARSERS[parser](line).items():
+            seen.setdefault(case, set()).add(status)
+    return seen
 
 
 _DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)", re.MULTILINE)
@@ -132,20 +160,54 @@ async def apply_patch(sandbox, patch: str, name: str) -> None:
         raise RewardError(f"the {name} patch does not apply: {result.output[-1500:]}", log=result.output)
 
 
-async def run_tests(sandbox, *, base_commit: str, test_patch: str, test_cmd: str, parser: str,
-                    f2p: list[str], p2p: list[str], timeout_s: float) -> GradingReport:  # fmt: skip
-    """After the agent's diff is in place: reset the test files, apply test_patch, run, parse."""
-    existing = await sandbox.execute(
-        "for f in " + " ".join(shlex.quote(f) for f in patch_files(test_patch)) + "; do "
+async def guard_changes(sandbox, *, diff: str, base_commit: str, graded: set[str], mode: IntegrityMode,
+                        allow: list[str]) -> list[Guard]:  # fmt: skip
+    """With the agent's diff in place: revert (or reject) its changes to how tests run."""
+    if mode == "off":
+        return []
+    hits = []
+    for path in patch_files(diff):
+        if allowed(path, allow):
+            continue
+        name = posixpath.basename(path)
+        if name in SECTIONED and not protected(path, graded):
+            before, after = await _read(sandbox, f"git show {base_commit}:{shlex.quote(path)}"), await _read(sandbox, f"cat -- {shlex.quote(path)}")
+            if config_test_sections(name, before) == config_test_sections(name, after):
+                continue
+        elif not protected(path, graded):
+            continue
+        hits.append(path)
+    if mode == "reject" or not hits:
+        return [Guard("rejected", path) for path in hits]
+    await _reset(sandbox, base_commit, hits)
+    return [Guard("reverted", path) for path in hits]
+
+
+async def _read(sandbox, command: str) -> str | None:
+    result = await sandbox.execute(command + " 2>/dev/null", timeout_s=60)
+    return result.output if result.exit_code == 0 else None
+
+
+async def _reset(sandbox, base_commit: str, paths) -> None:
+    """Put paths back as they are at base_commit (removing those it does not have)."""
+    result = await sandbox.execute(
+        "for f in " + " ".join(shlex.quote(f) for f in paths) + "; do "
         f"git cat-file -e {base_commit}:\"$f\" 2>/dev/null && git checkout -q {base_commit} -- \"$f\" "
         "|| rm -f -- \"$f\"; done", timeout_s=120)
-    if existing.exit_code != 0:
-        raise RewardError(f"cannot reset the test files: {existing.output[-1500:]}", log=existing.output)
+    if result.exit_code != 0:
+        raise RewardError(f"cannot reset the test files: {result.output[-1500:]}", log=result.output)
+
+
+async def run_tests(sandbox, *, base_commit: str, test_patch: str, test_cmd: str, parser: str,
+                    f2p: list[str], p2p: list[str], timeout_s: float,
+                    exit_code_counts: bool = True) -> GradingReport:  # fmt: skip
+    """After the agent's diff is in place: reset the test files, apply test_patch, run, parse."""
+    await _reset(sandbox, base_commit, patch_files(test_patch))
     await apply_patch(sandbox, test_patch, "test")
     started = time.monotonic()
     result = await sandbox.execute(test_cmd, timeout_s=timeout_s)
     if result.timed_out:
         raise RewardError(f"tests did not finish within {timeout_s} s", kind="timeout", log=result.output)
-    report = report_from_log(result.output, parser, f2p, p2p)
+    report = report_from_log(result.output, parser, f2p, p2p, result.exit_code if exit_code_counts else None)
     report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
     return report

@@ -9,18 +9,19 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.grading import GradingReport, RewardError, apply_patch, run_tests
+from envs.grading import GradingReport, RewardError, apply_patch, guard_changes, patch_files, run_tests
+from envs.integrity import IntegrityMode, file_of_test
 from envs.task import Task
 from envs.tools import TOOLS, Editor, ToolCall, parse_tool_call, truncate_middle
 from sandboxes.base import SandboxError, SandboxLimits, open_sandbox
 from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
-from sandboxes.environments import EnvironmentSpec, prepare_bwrap, prepare_docker
+from sandboxes.environments import BASE_TAG, EnvironmentSpec, prepare_bwrap, prepare_docker
 
 EXAMPLE_BUNDLES = Path(__file__).resolve().parent / "example_suite" / "bundles"
 SYSTEM_PROMPT = (
@@ -40,6 +41,9 @@ class SWEEnvConfig(BaseModel):
     """Prepared environments (bubblewrap), one folder per content key."""
     bundle_dirs: tuple[Path, ...] = (Path(os.environ.get("SWERVE_DATA_DIR", "var")) / "bundles", EXAMPLE_BUNDLES)
     """Where `source: bundle:NAME` is looked up (NAME.bundle)."""
+    integrity: IntegrityMode = "revert"
+    """The agent's changes to test files and test configuration before grading: reverted,
+    rejected (resolution NO), or left ("off"). Either way they are recorded (envs/integrity.py)."""
     max_observation_chars: int = Field(16000, ge=200)
     test_timeout_s: float = Field(900, gt=0)
     build_timeout_s: float = Field(1800, gt=0)
@@ -65,7 +69,8 @@ async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = No
         return DockerSandboxConfig(image=task.image, limits=limits, episode=episode)
     spec = EnvironmentSpec(source=resolve_source(task, cfg),
                            commit=task.environment_setup_commit or task.base_commit,
-                           install=tuple(task.install or ()), build_timeout_s=cfg.build_timeout_s)
+                           install=tuple(task.install or ()), build_timeout_s=cfg.build_timeout_s,
+                           start=task.base_commit, history=task.history_mode())
     if cfg.backend == "docker":
         return DockerSandboxConfig(image=await prepare_docker(spec), limits=limits, episode=episode)
     return BwrapSandboxConfig(root=await prepare_bwrap(spec, cfg.env_cache_dir), limits=limits,
@@ -75,12 +80,9 @@ async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = No
 @asynccontextmanager
 async def task_sandbox(task: Task, cfg: SWEEnvConfig, episode: str | None = None,
                        limits: SandboxLimits | None = None) -> AsyncIterator:  # fmt: skip
-    """A sandbox with the task's repository at base_commit (nothing of the answers in it)."""
+    """A sandbox with the task's repository at base_commit, tagged BASE_TAG, with no history
+    after it (or none at all: Task.history) and nothing of the answers in it."""
     async with open_sandbox(await sandbox_config(task, cfg, episode, limits)) as sandbox:
-        r = await sandbox.execute(f"git -c advice.detachedHead=false checkout -q -f {task.base_commit}",
-                                  timeout_s=300)
-        if r.exit_code != 0:
-            raise SandboxError(f"cannot check out {task.base_commit} for {task.instance_id}: {r.output[-1000:]}")
         yield sandbox
 
 
@@ -96,6 +98,16 @@ class SWEEnv:
     def __init__(self, task: Task, sandbox, cfg: SWEEnvConfig):
         self.task, self.sandbox, self.cfg = task, sandbox, cfg
         self.editor = Editor(sandbox)
+        self._base: str | None = None
+
+    async def base(self) -> str:
+        """The starting commit's id, read before the agent's first action (it may move tags)."""
+        if self._base is None:
+            r = await self.sandbox.execute(f"git rev-parse --verify -q '{BASE_TAG}^{{commit}}'", timeout_s=60)
+            if r.exit_code != 0:
+                raise SandboxError(f"the repository of {self.task.instance_id} has no {BASE_TAG}: {r.output[-500:]}")
+            self._base = r.output.strip()
+        return self._base
 
     def first_messages(self) -> list[dict]:
         return [{"role": "system", "content": self.cfg.system_prompt},
@@ -105,6 +117,7 @@ class SWEEnv:
 
     async def step(self, text: str) -> StepResult:
         """Act on the model's text. Raises SandboxError only if the sandbox itself is gone."""
+        await self.base()
         parsed = parse_tool_call(text)
         if parsed.call is None:
             return StepResult(parsed.error, False, None, parsed.error)
@@ -129,7 +142,7 @@ class SWEEnv:
 
     async def diff(self) -> str:
         """The agent's change against base_commit: new and binary files included."""
-        r = await self.sandbox.execute(f"git add -A && git diff --cached --binary {self.task.base_commit}"
+        r = await self.sandbox.execute(f"git add -A && git diff --cached --binary {await self.base()}"
                                        " && git reset -q", timeout_s=300)
         if r.exit_code != 0:
             raise SandboxError(f"cannot take the diff: {r.output[-1000:]}")
@@ -142,9 +155,17 @@ async def grade(task: Task, diff: str, cfg: SWEEnvConfig) -> GradingReport:
         limits = cfg.limits.model_copy(update={"output_limit_bytes": GRADING_OUTPUT_BYTES})
         async with task_sandbox(task, cfg, f"grade:{task.instance_id}", limits) as sandbox:
             await apply_patch(sandbox, diff, "agent")
-            return await run_tests(sandbox, base_commit=task.base_commit, test_patch=task.test_patch,
-                                   test_cmd=task.test_cmd or DEFAULT_TEST_CMD, parser=task.log_parser,
-                                   f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS,
-                                   timeout_s=cfg.test_timeout_s)
+            graded = {file_of_test(t) for t in task.FAIL_TO_PASS + task.PASS_TO_PASS} | set(patch_files(task.test_patch))
+            guards = [asdict(g) for g in await guard_changes(
+                sandbox, diff=diff, base_commit=BASE_TAG, graded=graded, mode=cfg.integrity, allow=task.integrity_allow)]
+            if any(g["guard"] == "rejected" for g in guards):
+                return GradingReport(resolution="NO", fail_to_pass={"success": [], "failure": list(task.FAIL_TO_PASS)},
+                                     pass_to_pass={"success": [], "failure": []}, guards=guards)
+            report = await run_tests(sandbox, base_commit=BASE_TAG, test_patch=task.test_patch,
+                                     test_cmd=task.test_cmd or DEFAULT_TEST_CMD, parser=task.log_parser,
+                                     f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS,
+                                     timeout_s=cfg.test_timeout_s, exit_code_counts=task.exit_code_counts)
+            report.guards = guards + report.guards
+            return report
     except SandboxError as e:
         raise RewardError(f"grading sandbox failed: {e}") from e

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -64,6 +64,24 @@ class Task(BaseModel):
     test_cmd: str | None = Field(None, min_length=1)
     """Runs the tests named in FAIL_TO_PASS and PASS_TO_PASS."""
     log_parser: str = "pytest"
+    history: Literal["ancestors", "none"] | None = None
+    """The git history the agent's repository keeps: "ancestors" (base_commit and its ancestors,
+    no later commit, ref, tag or remote, as SWE-bench), or "none" (one commit holding
+    base_commit's tree: for synthetic bugs, whose history is the answer). None: "none" for
+    bundles and local folders, "ancestors" for remote repositories."""
+    integrity_allow: list[str] = []
+    """Test files and test configuration the fix may change (glob patterns, e.g. "conftest.py"):
+    grading reverts the agent's changes to any other such file (envs/integrity.py)."""
+    exit_code_counts: bool = True
+    """The test command must exit 0 for a FULL resolution (SWE-bench 5's rule: printed PASSED
+    lines cannot fake a result). False only where the gold fix's own run exits non-zero."""
+
+    def history_mode(self) -> Literal["ancestors", "none"]:
+        if self.history is not None:
+            return self.history
+        source = self.source or ""
+        remote = not self.source or "://" in source or source.startswith("git@")
+        return "ancestors" if remote else "none"
 
     @field_validator("instance_id")
     @classmethod
@@ -129,3 +147,7 @@ class Task(BaseModel):
     def unknown_fields(self) -> dict[str, Any]:
         """Fields swerve does not know, kept verbatim."""
         return dict(self.__pydantic_extra__ or {})
+
+    def grading_options(self) -> dict[str, Any]:
+        """swerve's fields without a column of their own, as given (stored beside the unknown ones)."""
+        return self.model_dump(include={"history", "integrity_allow", "exit_code_counts"}, exclude_unset=True)

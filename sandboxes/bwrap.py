@@ -2,7 +2,10 @@
 prepared environment, cgroup limits, a non-root user inside, and a persistent bash.
 
 The overlay and its tmpfs upper layer are mounted in a private mount namespace that dies
-with the sandbox, so nothing is ever mounted on the host.
+with the sandbox, so nothing is ever mounted on the host. bubblewrap itself runs as an
+unprivileged host uid (`SWERVE_SANDBOX_HOST_UID`), so uid 1000 inside is that uid outside,
+never root; nested user namespaces are refused. With `network` on, the sandbox keeps its own
+network namespace with a filtered user-mode link (sandboxes/netns.py), never the host's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from sandboxes.base import SandboxError, SandboxLimits
 from sandboxes.cgroups import CgroupError, Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
+from sandboxes.netns import SLIRP_DNS, NetworkError, UserNet, read_child_pid
 from sandboxes.reaper import Owner, PeriodicReaper, remove_state, state_root
 from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
 
@@ -28,9 +32,22 @@ ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl",
              "localtime", "nsswitch.conf", "hosts", "resolv.conf", "mime.types", "gitconfig",
              "python3", "python3.11", "debian_version", "os-release", "protocols", "services")
 PATH = "/work/.venv/bin:/usr/local/bin:/usr/bin:/bin"
+# Where bwrap, already unprivileged, finds the sandbox's state: the state folder is bound here in
+# the sandbox's private mount namespace, as its own parents need not be open to the host uid.
+VIEW = "/run/swerve-sandbox"
+
+
+def host_uid() -> int:
+    """The unprivileged host uid (and gid) sandboxed processes run as."""
+    value = os.environ.get("SWERVE_SANDBOX_HOST_UID", "61000")
+    if not value.isdigit() or int(value) == 0:
+        raise SandboxError(f"SWERVE_SANDBOX_HOST_UID: {value!r} must be a non-zero uid, unused by anything else")
+    return int(value)
+
 
 # Joins the cgroups, makes a private mount namespace, mounts a size-limited tmpfs for all
-# writes and the overlay of the environment on it, then becomes bwrap (argv in "$@").
+# writes and the overlay of the environment on it, then becomes bwrap as the sandbox's host
+# uid (argv in "$@").
 _LAUNCH = r"""
 set -e
 for f in $SWERVE_CGROUP_PROCS; do echo $$ > "$f"; done
@@ -39,6 +56,7 @@ set -e
 mount -t tmpfs -o "size=${SWERVE_DISK_MB}m,mode=0755" swerve "$SWERVE_STATE/rw"
 mkdir "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/rw/work" "$SWERVE_STATE/rw/tmp"
 chmod 1777 "$SWERVE_STATE/rw/tmp"
+chown "$SWERVE_UID:$SWERVE_UID" "$SWERVE_STATE/rw/upper"
 if [ -n "$SWERVE_WRITABLE" ]; then
   mount --bind "$SWERVE_LOWER" "$SWERVE_STATE/merged"
 elif [ -n "$SWERVE_LOWER" ]; then
@@ -46,7 +64,8 @@ elif [ -n "$SWERVE_LOWER" ]; then
 else
   mount --bind "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/merged"
 fi
-exec "$@"' sh "$@"
+mount --rbind "$SWERVE_STATE" "$SWERVE_VIEW"
+exec setpriv --reuid="$SWERVE_UID" --regid="$SWERVE_UID" --clear-groups --inh-caps=-all -- "$@"' sh "$@"
 """
 
 
@@ -60,6 +79,7 @@ class BwrapSandbox(ShellSandbox):
         self.workdir = config.workdir
         self.shell: ShellSession | None = None
         self._lifetime: asyncio.TimerHandle | None = None
+        self.net: UserNet | None = None
 
     @classmethod
     async def start(cls, config) -> BwrapSandbox:
@@ -88,24 +108,29 @@ class BwrapSandbox(ShellSandbox):
         logger.info("sandbox up", extra={"sandbox": sandbox_id, "episode": config.episode})
         return sandbox
 
-    def _bwrap_argv(self) -> list[str]:
+    def _bwrap_argv(self, net_fds: tuple[int, int] | None) -> list[str]:
         cfg = self.config
-        argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                "--new-session", "--cap-drop", "ALL",
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
-        if cfg.limits.network:
-            argv.append("--share-net")
+        if net_fds is not None:  # wait until the namespace is filtered and linked
+            argv += ["--info-fd", str(net_fds[0]), "--block-fd", str(net_fds[1])]
         for link in ("bin", "sbin", "lib", "lib64"):
             target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
             argv += ["--symlink", target, f"/{link}"] if target else ["--ro-bind-try", f"/{link}", f"/{link}"]
         for name in ETC_FILES:
-            argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-        argv += ["--ro-bind", str(self._passwd()), "/etc/passwd",
-                 "--ro-bind", str(self._group()), "/etc/group"]
+            if name == "resolv.conf" and net_fds is not None:
+                (self.state / name).write_text(f"nameserver {SLIRP_DNS}\n")
+                argv += ["--ro-bind", f"{VIEW}/{name}", "/etc/resolv.conf"]
+            else:
+                argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        self._passwd()
+        self._group()
+        argv += ["--ro-bind", f"{VIEW}/passwd", "/etc/passwd", "--ro-bind", f"{VIEW}/group", "/etc/group"]
         for path in cfg.ro_binds:
             argv += ["--ro-bind", path, path]
-        argv += ["--bind", str(self.state / "merged"), self.workdir,
-                 "--bind", str(self.state / "rw" / "tmp"), "/tmp",
+        argv += ["--bind", f"{VIEW}/merged", self.workdir, "--bind", f"{VIEW}/rw/tmp", "/tmp",
                  "--remount-ro", "/", "--chdir", self.workdir, "--clearenv",
                  "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "sandbox",
                  "--setenv", "LANG", "C.UTF-8", "--setenv", "TERM", "dumb",
@@ -129,17 +154,38 @@ class BwrapSandbox(ShellSandbox):
     async def _start_shell(self) -> None:
         for sub in ("rw", "merged"):
             (self.state / sub).mkdir(exist_ok=True)
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SWERVE_STATE": str(self.state),
+        os.makedirs(VIEW, mode=0o755, exist_ok=True)
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SWERVE_STATE": str(self.state), "SWERVE_VIEW": VIEW,
                "SWERVE_CGROUP_PROCS": " ".join(self.cgroups.procs_files),
-               "SWERVE_DISK_MB": str(self.limits.disk_mb),
+               "SWERVE_DISK_MB": str(self.limits.disk_mb), "SWERVE_UID": str(host_uid()),
                "SWERVE_LOWER": str(self.config.root) if self.config.root else "",
                "SWERVE_WRITABLE": "1" if self.config.writable_root and self.config.root else ""}
+        fds: dict[str, int] = {}
+        if self.limits.network:
+            (fds["info_r"], fds["info_w"]), (fds["block_r"], fds["block_w"]) = os.pipe(), os.pipe()
+
+        def close(*names: str) -> None:
+            for name in names:
+                if name in fds:
+                    os.close(fds.pop(name))
+
+        async def link_network() -> None:
+            close("info_w", "block_r")  # the child holds its own copies: its exit now reads as EOF
+            self.net = await UserNet.attach(await read_child_pid(fds["info_r"]))
+            os.write(fds["block_w"], b"1")
+
+        net_fds = (fds["info_w"], fds["block_r"]) if fds else None
         try:
             self.shell = await ShellSession.start(
-                ["sh", "-c", _LAUNCH, "sh", *self._bwrap_argv()],
-                output_limit=self.limits.output_limit_bytes, env=env)
+                ["sh", "-c", _LAUNCH, "sh", *self._bwrap_argv(net_fds)],
+                output_limit=self.limits.output_limit_bytes, env=env, pass_fds=net_fds or (),
+                spawned=link_network if net_fds else None)
         except SessionDead as e:
             raise SandboxError(f"bubblewrap sandbox failed to start: {e.output.strip()[-2000:]}") from e
+        except NetworkError as e:
+            raise SandboxError(f"bubblewrap sandbox network: {e}") from e
+        finally:
+            close(*list(fds))
 
     async def _kill(self, include_shell: bool) -> None:
         """Kill every process but the sandbox's init and supervisor, and the shell if asked.
@@ -168,5 +214,7 @@ class BwrapSandbox(ShellSandbox):
             self._lifetime.cancel()
         if self.shell is not None:
             await self.shell.kill()
+        if self.net is not None:
+            await self.net.close()
         await asyncio.to_thread(remove_state, self.state, Owner(0, None, 0, 0, cgroups=[str(p) for p in self.cgroups.paths]))
         logger.info("sandbox down", extra={"sandbox": self.id, "episode": self.config.episode})

@@ -19,6 +19,7 @@ from sandboxes.cgroups import ROOT as CGROUP_ROOT
 from sandboxes.cgroups import Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
 from sandboxes.images import BASE_IMAGE, ensure_base_image
+from sandboxes.netns import NetworkError, docker_egress_network
 from sandboxes.reaper import PeriodicReaper, process_start_time
 from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
 
@@ -92,10 +93,14 @@ class DockerSandbox(ShellSandbox):
 
         limits = config.limits
         try:
+            network = docker_egress_network(client) if limits.network else "none"
+        except NetworkError as e:
+            raise SandboxError(str(e)) from e
+        try:
             return client.containers.run(
                 image, ["sleep", "infinity"], name=sandbox_id, detach=True, init=True,
                 labels=_labels(sandbox_id, limits, config.episode),
-                network_mode="bridge" if limits.network else "none",
+                network_mode=network,
                 mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
                 nano_cpus=int(limits.cpus * 1e9), pids_limit=limits.pids,
                 cap_drop=["ALL"], cap_add=["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL"],

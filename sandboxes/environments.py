@@ -13,13 +13,17 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import stat
 import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from sandboxes.base import SandboxError, SandboxLimits
+from sandboxes.bwrap import host_uid
 from sandboxes.reaper import Owner
 
 BUILD_PREFIX = ".build-"
@@ -46,10 +50,46 @@ class EnvironmentSpec:
     network: bool = True
     """Whether install commands may reach the network (package indexes)."""
     build_timeout_s: float = 1800.0
+    start: str | None = None
+    """The commit the agent starts from, checked out after `install` (None: `commit`)."""
+    history: Literal["ancestors", "none"] = "ancestors"
+    """What git history the prepared repository keeps (see `HISTORY_SCRIPT`)."""
 
     def key(self, backend: str, base: str = "") -> str:
-        payload = json.dumps([backend, base, self.source, self.commit, list(self.install)])
+        payload = json.dumps([LAYOUT, backend, base, self.source, self.commit, list(self.install),
+                              self.start, self.history])
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+LAYOUT = 2  # bump when what a build makes changes: old caches are then rebuilt, never reused
+BASE_TAG = "swerve-base"
+# The repository at the starting commit with nothing after it: every ref but ancestor tags
+# deleted, remotes, reflogs, stashes and unreachable objects gone; `none` keeps a single
+# parentless commit of the starting tree (fixed author and date: the same tree, the same id).
+# The tag BASE_TAG marks where the agent starts. Install products in the work tree stay.
+HISTORY_SCRIPT = r"""
+set -e
+export GIT_AUTHOR_NAME=swerve GIT_AUTHOR_EMAIL=swerve@localhost GIT_AUTHOR_DATE=2000-01-01T00:00:00Z
+export GIT_COMMITTER_NAME=swerve GIT_COMMITTER_EMAIL=swerve@localhost GIT_COMMITTER_DATE=2000-01-01T00:00:00Z
+git -c advice.detachedHead=false checkout -q -f "$START"
+base=$(git rev-parse HEAD)
+if [ "$MODE" = none ]; then base=$(git commit-tree "$(git rev-parse 'HEAD^{tree}')" -m base); fi
+[ -f .git/objects/info/alternates ] && git repack -a -d -q && rm -f .git/objects/info/alternates
+git for-each-ref --format='%(refname)' | while read -r ref; do
+  case "$ref" in refs/tags/*)
+    if [ "$MODE" = ancestors ] && git merge-base --is-ancestor "$ref" "$base" 2>/dev/null; then continue; fi ;;
+  esac
+  git update-ref -d "$ref"
+done
+for remote in $(git remote); do git remote remove "$remote"; done
+git update-ref refs/heads/main "$base"
+git symbolic-ref HEAD refs/heads/main
+git reset -q
+git tag -f "$BASE" "$base" >/dev/null
+rm -rf .git/logs .git/refs/original .git/ORIG_HEAD .git/FETCH_HEAD .git/MERGE_HEAD .git/rebase-merge .git/rebase-apply
+git reflog expire --expire=now --all
+git -c gc.cruftPacks=false gc -q --prune=now
+"""
 
 
 _locks: dict[str, asyncio.Lock] = {}
@@ -93,6 +133,11 @@ async def _run_install(sandbox, spec: EnvironmentSpec) -> None:
         if result.exit_code != 0:
             reason = "timed out" if result.timed_out else f"exit {result.exit_code}"
             raise EnvironmentBuildError(f"install step {i} ({command!r}, {reason})", result.output)
+    script = (f"START={shlex.quote(spec.start or spec.commit)} MODE={spec.history} BASE={BASE_TAG} "
+              f"bash -c {shlex.quote(HISTORY_SCRIPT)}")
+    result = await sandbox.execute(script, timeout_s=spec.build_timeout_s)
+    if result.exit_code != 0:
+        raise EnvironmentBuildError(f"history ({spec.history}) at {spec.start or spec.commit}", result.output)
 
 
 async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:
@@ -108,15 +153,18 @@ async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:
             return final
         build = cache_dir / f"{BUILD_PREFIX}{key}-{uuid.uuid4().hex[:8]}"
         build.mkdir(parents=True)
+        cache_dir.chmod(0o700)  # the sandboxes' host uid can never reach a prepared environment
         Owner.me(spec.build_timeout_s + 600, kind="build").write(build)
         try:
             await asyncio.to_thread(checkout, spec, build / "work")
+            await asyncio.to_thread(_own, build / "work", host_uid())
             limits = SandboxLimits(network=spec.network, disk_mb=64, memory_mb=8192,
                                    pids=4096, command_timeout_s=spec.build_timeout_s)
             config = BwrapSandboxConfig(root=build / "work", writable_root=True, limits=limits,
                                         ro_binds=tuple(p for p in PIP_CONFIG_PATHS if os.path.exists(p)))
             async with _open(config) as sandbox:
                 await _run_install(sandbox, spec)
+            await asyncio.to_thread(_drop_privileged_bits, build / "work")
             (build / "work").rename(final)
         finally:
             shutil.rmtree(build, ignore_errors=True)
@@ -155,6 +203,24 @@ async def prepare_docker(spec: EnvironmentSpec, client=None) -> str:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return tag
+
+
+def _own(folder: Path, uid: int) -> None:
+    """Give a checkout to the sandboxes' host uid, which the build then runs as."""
+    os.chown(folder, uid, uid)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
+
+
+def _drop_privileged_bits(folder: Path) -> None:
+    """No setuid or setgid file survives a build (the sandboxes mount everything nosuid too)."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISLNK(mode) and mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
 
 
 def _has_image(client, tag: str) -> bool:

@@ -113,19 +113,26 @@ class ShellSession:
 
     @classmethod
     async def start(cls, argv: list[str], *, output_limit: int, env: dict | None = None,
-                    timeout_s: float = 30.0) -> ShellSession:  # fmt: skip
-        """Start `argv` (which must end by running SUPERVISOR) and wait for its first shell."""
+                    timeout_s: float = 30.0, pass_fds: tuple[int, ...] = (),
+                    spawned: Callable[[], Awaitable[None]] | None = None) -> ShellSession:  # fmt: skip
+        """Start `argv` (which must end by running SUPERVISOR) and wait for its first shell.
+        `spawned` runs once the process exists, before the wait (it may raise: all is killed)."""
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 20,
+            stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 20, pass_fds=pass_fds,
         )  # fmt: skip
         session = cls(proc, 0, output_limit)
         try:
             async with asyncio.timeout(timeout_s):
+                if spawned is not None:
+                    await spawned()
                 session.shell_pid = await session._await_ready()
         except TimeoutError:
             await session.kill()
             raise SessionDead(None, f"the shell did not start within {timeout_s} s") from None
+        except BaseException:
+            await session.kill()
+            raise
         return session
 
     async def _await_ready(self) -> int:

@@ -123,7 +123,8 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
                        f"end of episode {episode_id}")
         return "cancelled"
     task = task_from_row(task_row)
-    env_cfg = SWEEnvConfig(backend=cfg.backend, limits=cfg.limits, env_cache_dir=settings.data_dir / "envs",
+    env_cfg = SWEEnvConfig(backend=cfg.backend, limits=cfg.limits, integrity=cfg.integrity,
+                           env_cache_dir=settings.data_dir / "envs",
                            bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
     result, fields = EpisodeResult(status="sandbox_error"), {}
     try:
@@ -132,6 +133,8 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
         if result.status in GRADED and result.diff is not None:
             report = await grade(task, result.diff, env_cfg)
             fields = {"reward": report.reward(cfg.partial_credit), "report": report.to_json(), "graded_at": utcnow()}
+            if report.guards:  # left NULL otherwise: runs count the episodes that have some
+                fields["guards"] = sorted({g["guard"] for g in report.guards})
     except RewardError as e:
         result.status = "timeout" if e.kind == "timeout" else "reward_error"
         fields = {"report": {"error": str(e), "log_tail": e.log[-4000:]}}

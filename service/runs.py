@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from envs.integrity import IntegrityMode
 from sandboxes.base import SandboxLimits
 from service.agent import AgentConfig
 from service.tables import Episode, Group, Run, Suite, Task, utcnow
@@ -84,6 +85,9 @@ class RunConfig(BaseModel):
     repos: list[str] | None = None
     """Only tasks of these repositories (None: all)."""
     partial_credit: bool = False
+    integrity: IntegrityMode = "revert"
+    """The agent's changes to test files and test configuration at grading: reverted, rejected
+    (resolution NO) or left ("off"); each guard that fires is recorded on the episode."""
 
     @model_validator(mode="after")
     def _filters(self) -> RunConfig:

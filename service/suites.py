@@ -146,6 +146,20 @@ async def parse_json_array(chunks: AsyncIterable[bytes]) -> AsyncIterator[_Parse
         yield _Parsed(line=None, index=index, error=f"malformed JSON after record {index}: {e}")
 
 
+def _nul_path(value: Any, path: str = "") -> str | None:
+    """The field path of the first string holding a NUL character, if any."""
+    if isinstance(value, str):
+        return path or None if "\x00" in value else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        key_path = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and "\x00" in key:
+            return key_path.replace("\x00", "\\u0000")
+        if found := _nul_path(item, key_path):
+            return found
+    return None
+
+
 def _validate(parsed: _Parsed) -> Task | list[RecordError]:
     def error(field: str | None, message: str, instance_id: str | None = None) -> RecordError:
         return RecordError(parsed.line, parsed.index, instance_id, field, message)
@@ -156,6 +170,9 @@ def _validate(parsed: _Parsed) -> Task | list[RecordError]:
         return [error(None, f"a task must be a JSON object, got {type(parsed.obj).__name__}")]
     instance_id = parsed.obj.get("instance_id")
     instance_id = instance_id if isinstance(instance_id, str) else None
+    if nul := _nul_path(parsed.obj):
+        return [error(nul, "holds a NUL character (\\u0000), which no database text column stores; "
+                           "remove it (patches and tests cannot contain one either)", instance_id)]
     try:
         return Task.model_validate(parsed.obj)
     except ValidationError as e:
@@ -176,7 +193,7 @@ def task_row(task: Task, suite_id: uuid.UUID, position: int) -> dict[str, Any]:
         "hints_text": task.hints_text, "task_created_at": task.created_at,
         "source": task.source, "image": task.image, "install": task.install,
         "test_cmd": task.test_cmd, "log_parser": task.log_parser,
-        "extra": task.unknown_fields() or None,
+        "extra": {**task.unknown_fields(), **task.grading_options()} or None,
     }  # fmt: skip
 
 

@@ -190,6 +190,8 @@ class Episode(Base):
     reward: Mapped[float | None] = mapped_column(sa.Float)
     """NULL when grading did not happen or failed; never 0.0 for a harness failure."""
     report: Mapped[dict | None] = mapped_column(JSONType)
+    guards: Mapped[list | None] = mapped_column(JSONType)
+    """Names of the integrity guards that fired at grading (envs/integrity.py); None: none."""
     policy_version_min: Mapped[int | None] = mapped_column()
     policy_version_max: Mapped[int | None] = mapped_column()
     n_turns: Mapped[int] = mapped_column(default=0)

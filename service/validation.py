@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnvConfig
 from envs.validate import validate_task
+from service.buffer import storable
 from service.config import Settings
 from service.suites import task_from_row
 from service.tables import Suite, Task, utcnow
@@ -32,7 +33,7 @@ async def run_suite_validation(engine: AsyncEngine, settings: Settings, suite_id
         for row in rows:
             result = await validate_task(task_from_row(row), cfg)
             async with engine.begin() as conn:
-                await conn.execute(sa.update(Task).where(Task.id == row.id).values(validation=result.to_json()))
+                await conn.execute(sa.update(Task).where(Task.id == row.id).values(validation=storable(result.to_json())))
         status = "done"
     except Exception:
         logger.exception("validation of suite %s failed", suite_id)

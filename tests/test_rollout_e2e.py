@@ -88,7 +88,8 @@ async def test_oracle_run_through_api_redis_worker_and_postgres(worker, tmp_path
         assert (state["reward_mean"], state["pass_at_1"], state["pass_at_k"]) == (1.0, 1.0, 1.0)
         episodes = (await client.get(f"/api/v1/runs/{run_id}/episodes")).json()
         assert episodes["total"] == 6 and all(e["trainable"] is False for e in episodes["items"])
-        detail = (await client.get(f"/api/v1/episodes/{episodes['items'][0]['id']}", params={"arrays": "json"})).json()
+        detail = (await client.get(f"/api/v1/episodes/{episodes['items'][0]['id']}", params={"arrays": "json"},
+                                   headers=auth())).json()  # an oracle's turns carry the answer
         assert [t["tool_call"]["name"] for t in detail["turns"]] == ["str_replace_editor", "bash", "submit"]
         assert detail["report"]["resolution"] == "FULL" and detail["diff"].startswith("diff --git")
         assert all(len(t["output_ids"]) == len(t["output_logprobs"]) == t["n_output_tokens"] for t in detail["turns"])

@@ -21,7 +21,7 @@ from service.api.deps import has_token
 
 REDACTED = "redacted: needs the API token"
 COOKIE = "swerve_answers"
-REPORT_SHOWN = ("resolution", "fail_to_pass", "pass_to_pass", "test_exit_code", "duration_s")
+REPORT_SHOWN = ("resolution", "fail_to_pass", "pass_to_pass", "test_exit_code", "duration_s", "guards")
 """A grading report's fields anyone may see: the verdict and the named tests' outcomes."""
 TURN_ANSWERS = ("text", "tool_call", "observation",
                 "input_ids", "output_ids", "output_logprobs", "routed_experts")

@@ -58,6 +58,7 @@ async def progress_many(session, runs: list[Run]) -> list[dict]:
         Episode.run_id, sa.func.avg(Episode.reward), sa.func.count(Episode.reward),
         sa.func.coalesce(sa.func.sum(Episode.input_tokens + Episode.output_tokens), 0),
         sa.func.min(Episode.started_at), sa.func.max(Episode.finished_at),
+        sa.func.count(Episode.guards),
     ).where(Episode.run_id.in_(ids)).group_by(Episode.run_id))).all()}
     by_task: dict[uuid.UUID, list[tuple]] = {i: [] for i in ids}
     for run_id, best, mean in (await session.execute(
@@ -67,7 +68,7 @@ async def progress_many(session, runs: list[Run]) -> list[dict]:
         by_task[run_id].append((best, mean))
     out = []
     for run in runs:
-        reward, graded, tokens, start, end = aggs.get(run.id, (None, 0, 0, None, None))
+        reward, graded, tokens, start, end, guarded = aggs.get(run.id, (None, 0, 0, None, None, 0))
         elapsed = (end - start).total_seconds() if start and end else None
         tasks, c = by_task[run.id], counts[run.id]
         out.append({
@@ -78,7 +79,7 @@ async def progress_many(session, runs: list[Run]) -> list[dict]:
             "pass_at_k": sum(1 for t in tasks if t[0] == 1.0) / len(tasks) if tasks else None,
             "tokens_per_s": tokens / elapsed if elapsed else None,
             "episodes_per_s": sum(n for st, n in c.items() if st in EPISODE_FINAL_STATUSES) / elapsed if elapsed else None,
-            "gate": run.gate, "owner": run.owner,
+            "gate": run.gate, "owner": run.owner, "guarded": guarded,
         })  # fmt: skip
     return out
 
@@ -141,7 +142,7 @@ def _episode(e: Episode, instance_id: str) -> dict:
         "reward": e.reward, "policy_version_min": e.policy_version_min, "policy_version_max": e.policy_version_max,
         "n_turns": e.n_turns, "input_tokens": e.input_tokens, "output_tokens": e.output_tokens,
         "error_type": e.error_type, "error_message": e.error_message, "started_at": e.started_at,
-        "finished_at": e.finished_at,
+        "finished_at": e.finished_at, "guards": e.guards,
     }  # fmt: skip
 
 

@@ -12,7 +12,7 @@ function statusText(episodes) {
 }
 
 const FINAL = ["submitted", "max_turns", "context_exhausted", "timeout", "sandbox_error", "provider_error",
-  "reward_error", "cancelled"];
+  "reward_error", "storage_error", "cancelled"];
 
 function setField(root, name, text) {
   root.querySelectorAll(`[data-field="${name}"]`).forEach((el) => { el.textContent = text; });
@@ -34,6 +34,7 @@ function live(root) {
     setField(root, "pass_at_k", fmt(p.pass_at_k, 3));
     setField(root, "tokens", (p.tokens || 0).toLocaleString("en"));
     setField(root, "episodes_per_s", fmt(p.episodes_per_s, 2));
+    setField(root, "guarded", String(p.guarded ?? 0));
     setField(root, "done", String(done));
     setField(root, "total", String(total));
     root.querySelectorAll('progress[data-field="progress"]').forEach((bar) => { bar.max = total || 1; bar.value = done; });
