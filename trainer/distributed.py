@@ -138,14 +138,15 @@ def _layout(model) -> dict[str, str]:
             if isinstance(p, DTensor) else "local" for name, p in model.named_parameters()}
 
 
-def run_step(hf_dir: Path, *, world_size: int = 1, fsdp: int = -1, ep: int = 1,
-             lr: float = 1e-3) -> dict:  # fmt: skip
+def run_step(hf_dir: Path, *, world_size: int = 1, fsdp: int = -1, ep: int = 1, lr: float = 1e-3,
+             adam_eps: float = 1e-8, expert_dtype: str = "bfloat16") -> dict:  # fmt: skip
     """One AdamW step on fixed_batch: the global loss before and after, and the gradient norms.
     world_size 1 is the single-process reference; otherwise the process group must be up."""
-    from trainer.model import build_model
+    from trainer.model import build_model, set_expert_dtype
 
     torch.manual_seed(0)
     model, config, _ = build_model(hf_dir)
+    set_expert_dtype(model, expert_dtype)
     rank = dist.get_rank() if world_size > 1 else 0
     if world_size > 1:
         parallelize(model, config, world_size=world_size, fsdp=fsdp, ep=ep)
@@ -154,7 +155,7 @@ def run_step(hf_dir: Path, *, world_size: int = 1, fsdp: int = -1, ep: int = 1,
     n_tokens = int(sum(int(r["loss_mask"].sum()) for r in rows))
     mine = rows[rank::world_size]  # with FSDP and EP only, every rank is a data-parallel rank
     cfg = LossConfig(kl_coef=0.01)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=adam_eps)
 
     def global_sum(x: torch.Tensor) -> float:
         if world_size > 1:
@@ -163,13 +164,15 @@ def run_step(hf_dir: Path, *, world_size: int = 1, fsdp: int = -1, ep: int = 1,
 
     started = time.perf_counter()
     loss_before = global_sum(_batch_loss(model, mine, cfg, n_tokens, backward=True))
-    grad_norms = {name: float(_full(p.grad).norm()) for name, p in model.named_parameters()
-                  if p.grad is not None}
+    grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    grad_norms = {name: float(g.norm()) for name, g in grads.items()}
+    max_abs_grad = {name: float(g.abs().max()) for name, g in grads.items()}
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         loss_after = global_sum(_batch_loss(model, mine, cfg, n_tokens, backward=False))
     return {"loss_before": loss_before, "loss_after": loss_after, "grad_norms": grad_norms,
+            "max_abs_grad": max_abs_grad,
             "layout": layout, "world_size": world_size, "fsdp": fsdp, "ep": ep,
             "step_s": time.perf_counter() - started}
 
@@ -180,12 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fsdp", type=int, default=-1, help="FSDP2 degree (-1: the whole world)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE models)")
     parser.add_argument("--out", type=Path, required=True, help="JSON file for rank 0's result")
+    parser.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's eps")
+    parser.add_argument("--expert-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         dist.init_process_group("gloo")
     try:
-        result = run_step(args.model, world_size=world_size, fsdp=args.fsdp, ep=args.ep)
+        result = run_step(args.model, world_size=world_size, fsdp=args.fsdp, ep=args.ep,
+                          adam_eps=args.adam_eps, expert_dtype=args.expert_dtype)
         if world_size == 1 or dist.get_rank() == 0:
             args.out.write_text(json.dumps(result, indent=2))
     finally:

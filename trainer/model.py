@@ -9,10 +9,12 @@ document as its own sequence (`forward_logits`), which keeps document boundaries
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 SUPPORTED = ("qwen3", "qwen3_moe")
 
@@ -113,6 +115,46 @@ def build_model(hf_dir: Path, attn_backend: str = "sdpa", dtype: torch.dtype = t
     if missing or unexpected:
         raise ModelError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.to(dtype), config, adapter
+
+
+class _Float32ExpertsForward:
+    """torchtitan's GroupedExperts.forward with the grouped matmuls in float32, not bfloat16."""
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        x = x_RD.float()
+        h = F.silu(torch._grouped_mm(x, w1.float().transpose(-2, -1), offs=offsets_E))
+        h = h * torch._grouped_mm(x, w3.float().transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(h, w2.float().transpose(-2, -1), offs=offsets_E).type_as(x_RD)
+
+
+def set_expert_dtype(model, dtype: str) -> int:
+    """Run the routed experts' matmuls in `dtype`: "bfloat16" is torchtitan's (and leaves the
+    model alone), "float32" keeps every op of the model in float32, whose results depend on the
+    CPU's instruction set only through summation order. Returns how many expert modules changed."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    if dtype == "bfloat16":
+        return 0
+    if dtype != "float32":
+        raise ModelError(f"expert_dtype: {dtype!r} is not one of ('bfloat16', 'float32')")
+    changed = 0
+    for module in model.modules():
+        if type(module) is GroupedExperts:
+            module.__class__ = _float32_experts_class()
+            changed += 1
+    return changed
+
+
+@functools.cache
+def _float32_experts_class() -> type:
+    from torchtitan.models.common.moe import GroupedExperts
+
+    return type("Float32GroupedExperts", (_Float32ExpertsForward, GroupedExperts), {})
 
 
 def apply_activation_checkpointing(model, mode: str) -> None:

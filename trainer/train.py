@@ -113,6 +113,9 @@ class TrainerConfig(BaseModel):
     logprob_chunk: int = Field(8192, ge=0)
     """Positions per vocabulary projection + log-softmax, recomputed in backward, so long rows
     never hold whole-row logits (0: whole rows)."""
+    expert_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """dtype of the MoE experts' grouped matmuls: bfloat16 as torchtitan computes them, or
+    float32 (slower; keeps a small model's trainer as exact as a float32 sampler)."""
     router_replay: bool = True
     """MoE: route tokens to the experts the sampler recorded (R3) when the turns carry them."""
     checkpoint_every: int = Field(1, ge=1)
@@ -182,7 +185,7 @@ class Trainer:
         """engine None on rank 0: the model, optimizer and step alone (benchmarks, the golden
         test); the loop (`run`) needs the database there."""
         from service.buffer import Buffer
-        from trainer.model import apply_activation_checkpointing, apply_float8, build_model
+        from trainer.model import apply_activation_checkpointing, apply_float8, build_model, set_expert_dtype
         from trainer.replay import enable
 
         self.cfg, self.engine = cfg, engine
@@ -198,6 +201,7 @@ class Trainer:
         self.model, self.model_cfg, self.adapter = build_model(cfg.model, cfg.attn_backend, par.torch_dtype(),
                                                                self.device)
         self.model.train()
+        set_expert_dtype(self.model, cfg.expert_dtype)
         self.moe_layers = enable(self.model)
         if par.float8:
             apply_float8(self.model)
