@@ -6,7 +6,7 @@ FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends git bubblewrap ca-certificates \
+    && apt-get install -y --no-install-recommends git bubblewrap slirp4netns iptables iproute2 util-linux ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 1000 swerve
 
