@@ -21,7 +21,7 @@ from envs.task import Task
 from envs.tools import TOOLS, Editor, ToolCall, parse_tool_call, truncate_middle
 from sandboxes.base import SandboxError, SandboxLimits, open_sandbox
 from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
-from sandboxes.environments import BASE_TAG, EnvironmentSpec, prepare_bwrap, prepare_docker
+from sandboxes.environments import BASE_TAG, EnvironmentSpec, cut_history, prepare_bwrap, prepare_docker
 
 EXAMPLE_BUNDLES = Path(__file__).resolve().parent / "example_suite" / "bundles"
 SYSTEM_PROMPT = (
@@ -82,7 +82,11 @@ async def task_sandbox(task: Task, cfg: SWEEnvConfig, episode: str | None = None
                        limits: SandboxLimits | None = None) -> AsyncIterator:  # fmt: skip
     """A sandbox with the task's repository at base_commit, tagged BASE_TAG, with no history
     after it (or none at all: Task.history) and nothing of the answers in it."""
-    async with open_sandbox(await sandbox_config(task, cfg, episode, limits)) as sandbox:
+    config = await sandbox_config(task, cfg, episode, limits)
+    async with open_sandbox(config) as sandbox:
+        if config.type == "docker" and config.image == task.image:
+            # a prebuilt image is used as it ships: its history is cut in every sandbox
+            await cut_history(sandbox, task.base_commit, task.history_mode(), cfg.build_timeout_s)
         yield sandbox
 
 

@@ -133,11 +133,15 @@ async def _run_install(sandbox, spec: EnvironmentSpec) -> None:
         if result.exit_code != 0:
             reason = "timed out" if result.timed_out else f"exit {result.exit_code}"
             raise EnvironmentBuildError(f"install step {i} ({command!r}, {reason})", result.output)
-    script = (f"START={shlex.quote(spec.start or spec.commit)} MODE={spec.history} BASE={BASE_TAG} "
-              f"bash -c {shlex.quote(HISTORY_SCRIPT)}")
-    result = await sandbox.execute(script, timeout_s=spec.build_timeout_s)
+    await cut_history(sandbox, spec.start or spec.commit, spec.history, spec.build_timeout_s)
+
+
+async def cut_history(sandbox, start: str, history: str, timeout_s: float = 1800.0) -> None:
+    """Run HISTORY_SCRIPT in the sandbox's repository. Raises EnvironmentBuildError."""
+    script = f"START={shlex.quote(start)} MODE={history} BASE={BASE_TAG} bash -c {shlex.quote(HISTORY_SCRIPT)}"
+    result = await sandbox.execute(script, timeout_s=timeout_s)
     if result.exit_code != 0:
-        raise EnvironmentBuildError(f"history ({spec.history}) at {spec.start or spec.commit}", result.output)
+        raise EnvironmentBuildError(f"history ({history}) at {start}", result.output)
 
 
 async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:

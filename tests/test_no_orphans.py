@@ -29,7 +29,9 @@ from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
 async def main(kind, state, n):
     boxes = []
     for i in range(n):
-        cfg = (BwrapSandboxConfig(state_dir=Path(state)) if kind == "bwrap" else DockerSandboxConfig())
+        # bubblewrap with network on: its slirp4netns must not outlive the owner either
+        cfg = (BwrapSandboxConfig(state_dir=Path(state), limits=SandboxLimits(network=True)) if kind == "bwrap"
+               else DockerSandboxConfig())
         box = await cfg.build()
         await box.execute("sleep 4242.5 & setsid sleep 4242.5 & (nohup sleep 4242.5 &) ; echo x > /work/f")
         boxes.append(box.id)
@@ -42,6 +44,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 
 def leftovers(backend: str, state: Path, ids: list[str]) -> list[str]:
     found = [f"process {p}" for p in host_processes_with("4242.5")]
+    found += [f"slirp4netns {p}" for p in host_processes_with("slirp4netns")]
     cgroup_roots = [Path("/sys/fs/cgroup") / c for c in ("pids", "memory", "cpu", "freezer")]
     for sandbox_id in ids:
         found += [str(p) for root in cgroup_roots for p in root.rglob(sandbox_id)]

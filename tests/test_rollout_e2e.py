@@ -305,6 +305,27 @@ async def test_any_bytes_are_data(worker, tmp_path):
     assert "\x7fELF\x00\x00\x01\ufffd\ufffd" in tok.decode(turns[2]["input_ids"])
 
 
+async def test_a_gamed_grader_is_recorded_counted_and_shown(worker, tmp_path):
+    """A policy that plants a conftest hook making every test pass, through the API, Redis, a
+    worker, bubblewrap and PostgreSQL: reward 0, the guard on the episode, counted on the run."""
+    db_url, data_dir = worker
+    hook = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+            "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    calls = [{"name": "str_replace_editor", "arguments": {"command": "create", "path": "conftest.py", "file_text": hook}}]
+    async with client_for(make_settings(db_url, broker_url=BROKER, data_dir=data_dir)) as client:
+        run_id = await replay_run(client, init_tiny(tmp_path / "tiny"), calls)
+        state = await wait_for_run(client, run_id, timeout_s=180, log=data_dir / "worker.log")
+        [episode] = (await client.get(f"/api/v1/runs/{run_id}/episodes")).json()["items"]
+        detail = (await client.get(f"/api/v1/episodes/{episode['id']}")).json()
+        run_page = await client.get(f"/runs/{run_id}")
+        episode_page = await client.get(f"/episodes/{episode['id']}")
+    assert state["status"] == "finished" and state["guarded"] == 1, state
+    assert episode["reward"] == 0.0 and episode["guards"] == ["reverted"], episode
+    assert detail["report"]["guards"] == [{"guard": "reverted", "detail": "conftest.py"}]  # shown without the token
+    assert 'data-field="guarded">1<' in run_page.text
+    assert "integrity guards fired" in episode_page.text and "conftest.py" in episode_page.text
+
+
 @pytest.fixture
 def refusing_worker(empty_pg_url, tmp_path):
     """A worker on a database that refuses, for good, turns whose observation and episodes whose
