@@ -23,7 +23,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.records import decode_array, encode_ids, encode_logprobs, encode_routed_experts
-from service.tables import EPISODE_FINAL_STATUSES, Episode, Group, Turn, utcnow
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Turn, utcnow
 
 
 class Superseded(Exception):
@@ -333,6 +333,133 @@ class Buffer:
             out[e.group_id].episodes.append(EpisodeData(e.id, e.sample_index, e.status, e.reward,
                                                         e.policy_version_min, by_episode.get(e.id, [])))
         return [out[g] for g in claim.group_ids if g in out]
+
+    @staticmethod
+    async def create_run(conn: AsyncConnection, run_id: uuid.UUID, *, suite_id: uuid.UUID, name: str | None,
+                         config: dict, config_hash: str, task_ids: list[uuid.UUID], samples: int,
+                         trainable: bool) -> None:  # fmt: skip
+        """A running run with one pending group of `samples` pending episodes per task."""
+        await conn.execute(sa.insert(Run).values(id=run_id, suite_id=suite_id, name=name, status="running",
+                                                 config=config, config_hash=config_hash, created_at=utcnow(),
+                                                 started_at=utcnow()))
+        groups, episodes = [], []
+        for task_id in task_ids:  # creation times follow the suite's order
+            group_id = uuid.uuid4()
+            groups.append({"id": group_id, "run_id": run_id, "task_id": task_id, "size": samples,
+                           "status": "pending", "created_at": utcnow()})
+            episodes += [{"id": uuid.uuid4(), "run_id": run_id, "group_id": group_id, "task_id": task_id,
+                          "sample_index": i, "status": "pending", "trainable": trainable,
+                          "config_hash": config_hash, "created_at": utcnow()} for i in range(samples)]
+        await conn.execute(sa.insert(Group), groups)
+        await conn.execute(sa.insert(Episode), episodes)
+
+    # Episode attempts. The orchestrator and the workers move episodes only through these; each
+    # runs in the caller's transaction (the orchestrator's holds the run row locked).
+
+    @staticmethod
+    async def queue(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> None:
+        """Pending episodes handed to the broker (their message is being sent)."""
+        await conn.execute(sa.update(Episode).where(Episode.id.in_(episode_ids))
+                           .values(status="queued", queued_at=utcnow()))
+
+    @staticmethod
+    async def requeue(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> None:
+        """Queued episodes whose message is sent again (it may have been lost)."""
+        await conn.execute(sa.update(Episode).where(Episode.id.in_(episode_ids)).values(queued_at=utcnow()))
+
+    @staticmethod
+    async def start_attempt(conn: AsyncConnection, episode_id: uuid.UUID, *, seen_status: str,
+                            seen_attempt: int) -> int | None:  # fmt: skip
+        """A worker takes the episode as it saw it (queued, or running under a dead worker: then
+        as the next attempt, whose predecessor's turns go). The new attempt, or None if another
+        worker took it first."""
+        restart = seen_status == "running"
+        attempt = seen_attempt + restart
+        claimed = await conn.execute(sa.update(Episode).where(
+            Episode.id == episode_id, Episode.status == seen_status, Episode.attempt == seen_attempt,
+        ).values(status="running", started_at=utcnow(), heartbeat_at=utcnow(), attempt=attempt))
+        if claimed.rowcount != 1:
+            return None
+        if restart:  # after the attempt moved, so the old attempt can add nothing more
+            await conn.execute(sa.delete(Turn).where(Turn.episode_id == episode_id))
+        return attempt
+
+    @staticmethod
+    async def restart_attempts(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> None:
+        """Running episodes back to queued as their next attempt (a dead worker, lost turns): the
+        attempt moves first, so the old attempt's later turns and end are refused, then its
+        turns go."""
+        await conn.execute(sa.update(Episode).where(Episode.id.in_(episode_ids), Episode.status == "running")
+                           .values(status="queued", attempt=Episode.attempt + 1, queued_at=utcnow(),
+                                   heartbeat_at=None))
+        await conn.execute(sa.delete(Turn).where(Turn.episode_id.in_(episode_ids)))
+
+    @staticmethod
+    async def heartbeat(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> dict[uuid.UUID, int]:
+        """Mark running episodes alive; their current attempts (a missing id is no longer running)."""
+        return dict((await conn.execute(
+            sa.update(Episode).where(Episode.id.in_(episode_ids), Episode.status == "running")
+            .values(heartbeat_at=utcnow()).returning(Episode.id, Episode.attempt))).all())
+
+    # Runs' ownership and ends: one orchestrator owns an active run under a lease.
+
+    @staticmethod
+    async def own_run(conn: AsyncConnection, run_id: uuid.UUID, owner: str, lease_s: float) -> bool:
+        """Take or renew the run's lease; the row stays locked until the transaction ends."""
+        now = utcnow()
+        taken = await conn.execute(sa.update(Run).where(
+            Run.id == run_id, Run.status.in_(RUN_ACTIVE_STATUSES),
+            sa.or_(Run.owner.is_(None), Run.owner == owner, Run.owner_heartbeat_at < now - timedelta(seconds=lease_s)),
+        ).values(owner=owner, owner_heartbeat_at=now))
+        return taken.rowcount == 1
+
+    @staticmethod
+    async def set_gate(conn: AsyncConnection, run_id: uuid.UUID, gate: str | None) -> None:
+        """Why the orchestrator holds new groups back (None: it does not)."""
+        await conn.execute(sa.update(Run).where(Run.id == run_id).values(gate=gate))
+
+    @staticmethod
+    async def finish_run(conn: AsyncConnection, run_id: uuid.UUID, status: str) -> None:
+        """The run ends (finished, cancelled or failed) and nobody owns it any more."""
+        await conn.execute(sa.update(Run).where(Run.id == run_id).values(
+            status=status, finished_at=utcnow(), owner=None, gate=None))
+
+    async def release_runs(self, owner: str) -> None:
+        """Give up every run `owner` holds (a clean shutdown: others take them over at once)."""
+        async with self.engine.begin() as conn:
+            await conn.execute(sa.update(Run).where(Run.owner == owner).values(owner=None))
+
+    @staticmethod
+    async def request_cancel(conn: AsyncConnection, run_id: uuid.UUID) -> bool:
+        """An active run is asked to stop (its orchestrator ends it). False if it was not active."""
+        done = await conn.execute(sa.update(Run).where(Run.id == run_id, Run.status.in_(RUN_ACTIVE_STATUSES))
+                                  .values(status="cancelling"))
+        return done.rowcount == 1
+
+    # Policies: the trainer records and withdraws versions only through these.
+
+    async def record_policy(self, version: int, weights_path: str, trainer_step: int, info: dict | None = None,
+                            *, if_absent: bool = False) -> bool:  # fmt: skip
+        """Record a published version; with if_absent, only if the version is not there yet.
+        Returns whether it was written."""
+        async with self.engine.begin() as conn:
+            if if_absent and await conn.scalar(sa.select(Policy.version).where(Policy.version == version)) is not None:
+                return False
+            await conn.execute(sa.insert(Policy).values(version=version, weights_path=weights_path,
+                                                        trainer_step=trainer_step, created_at=utcnow(), info=info))
+        return True
+
+    async def rewind(self, step: int, run_id: uuid.UUID | None = None) -> tuple[int, int]:
+        """Undo every step after `step` (a trainer resuming from that checkpoint): the groups
+        they consumed go back to ready, the versions they published are withdrawn. Returns
+        (groups back, versions withdrawn)."""
+        async with self.engine.begin() as conn:
+            undone = sa.update(Group).where(Group.status == "consumed", Group.trainer_step > step,
+                                            *([Group.run_id == run_id] if run_id is not None else []))
+            back = await conn.execute(undone.values(status="ready", claim_id=None, claim_expires_at=None,
+                                                    consumed_at=None, trainer_step=None, claimed_by=None))
+            withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > step))
+        return back.rowcount, withdrawn.rowcount
 
     async def stats(self) -> dict[str, int]:
         async with self.engine.connect() as conn:

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from service.buffer import Buffer
 from service.inference import FleetConfig, ProviderError, VLLMClient
 from service.runs import RunConfig
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Turn, utcnow
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, utcnow
 
 logger = logging.getLogger(__name__)
 FAILURES = ("sandbox_error", "provider_error", "storage_error")
@@ -83,20 +83,10 @@ async def orchestrate(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[
         await fleet.close()
 
 
-async def _own(conn: AsyncConnection, run_id: uuid.UUID, owner: str, lease_s: float) -> bool:
-    """Take or renew the run's lease; the row stays locked until the tick's transaction ends."""
-    now = utcnow()
-    taken = await conn.execute(sa.update(Run).where(
-        Run.id == run_id, Run.status.in_(RUN_ACTIVE_STATUSES),
-        sa.or_(Run.owner.is_(None), Run.owner == owner, Run.owner_heartbeat_at < now - timedelta(seconds=lease_s)),
-    ).values(owner=owner, owner_heartbeat_at=now))
-    return taken.rowcount == 1
-
-
 async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: Callable[[str], None],
                 owner: str, lease_s: float, fleet_version: int | None, takeover: bool = False) -> str | None:  # fmt: skip
     async with engine.begin() as conn:
-        owned = await _own(conn, run_id, owner, lease_s)
+        owned = await Buffer.own_run(conn, run_id, owner, lease_s)
         run_status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
         if not owned:
             return run_status if run_status not in RUN_ACTIVE_STATUSES else "not owner"
@@ -109,16 +99,14 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
             pending = (await conn.execute(sa.select(Episode.id).where(
                 Episode.run_id == run_id, Episode.status.in_(("pending", "queued"))))).scalars().all()
         elif sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL_STATUSES):
-            await conn.execute(sa.update(Run).where(Run.id == run_id).values(
-                status="finished", finished_at=utcnow(), owner=None, gate=None))
+            await Buffer.finish_run(conn, run_id, "finished")
             return "finished"
         else:
             gate, new_groups = await _gate(conn, run_id, cfg, fleet_version)
             starts = await _starts(conn, run_id, max(0, cfg.concurrency - in_flight), new_groups)
             if starts:
-                await conn.execute(sa.update(Episode).where(Episode.id.in_(starts))
-                                   .values(status="queued", queued_at=utcnow()))
-            await conn.execute(sa.update(Run).where(Run.id == run_id).values(gate=gate))
+                await Buffer.queue(conn, starts)
+            await Buffer.set_gate(conn, run_id, gate)
             pending, final = [], None
     if final is None:
         for episode_id in starts + resend:
@@ -130,8 +118,7 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
     if final == "cancelled" and counts.get("running", 0):
         return None  # wait for running episodes to end
     async with engine.begin() as conn:
-        await conn.execute(sa.update(Run).where(Run.id == run_id).values(
-            status=final, finished_at=utcnow(), owner=None, gate=None))
+        await Buffer.finish_run(conn, run_id, final)
     return final
 
 
@@ -190,17 +177,14 @@ async def _lost(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, all_qu
         Episode.heartbeat_at < now - timedelta(seconds=cfg.worker_timeout_s)))).scalars().all()
     if dead:
         logger.warning("run %s: %d episode(s) lost their worker; starting them again", run_id, len(dead))
-        # the attempt moves first: a zombie attempt's later turns are refused, then its turns go
-        await conn.execute(sa.update(Episode).where(Episode.id.in_(dead), Episode.status == "running")
-                           .values(status="queued", attempt=Episode.attempt + 1, queued_at=now, heartbeat_at=None))
-        await conn.execute(sa.delete(Turn).where(Turn.episode_id.in_(dead)))
+        await Buffer.restart_attempts(conn, dead)
     queued = sa.select(Episode.id).where(Episode.run_id == run_id, Episode.status == "queued",
                                          Episode.id.not_in(dead) if dead else sa.true())
     if not all_queued:
         queued = queued.where(Episode.queued_at < now - timedelta(seconds=cfg.queue_timeout_s))
     again = (await conn.execute(queued)).scalars().all()
     if again:
-        await conn.execute(sa.update(Episode).where(Episode.id.in_(again)).values(queued_at=now))
+        await Buffer.requeue(conn, again)
     return list(dead) + list(again)
 
 
@@ -263,7 +247,6 @@ class Supervisor:
             job.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
         try:
-            async with self.engine.begin() as conn:
-                await conn.execute(sa.update(Run).where(Run.owner == self.owner).values(owner=None))
+            await Buffer(self.engine).release_runs(self.owner)
         except Exception:
             logger.exception("could not release runs owned by %s", self.owner)

@@ -29,7 +29,7 @@ from service.inference import FleetConfig, ProviderError, VLLMClient
 from service.policies import oracle, replay
 from service.runs import RunConfig
 from service.suites import task_from_row
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn, utcnow
+from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, utcnow
 
 logger = logging.getLogger(__name__)
 GRADED = ("submitted", "max_turns", "context_exhausted", "timeout")
@@ -81,14 +81,9 @@ async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
             timeout = RunConfig.model_validate(row.config).worker_timeout_s
             if row.heartbeat_at is not None and _aware(row.heartbeat_at) > utcnow() - timedelta(seconds=timeout):
                 return None
-        attempt = row.attempt + restart
-        claimed = await conn.execute(sa.update(Episode).where(
-            Episode.id == episode_id, Episode.status == row.status, Episode.attempt == row.attempt,
-        ).values(status="running", started_at=utcnow(), heartbeat_at=utcnow(), attempt=attempt))
-        if claimed.rowcount != 1:
+        attempt = await Buffer.start_attempt(conn, episode_id, seen_status=row.status, seen_attempt=row.attempt)
+        if attempt is None:
             return None  # another worker got it first
-        if restart:  # after the attempt moved, so the old attempt can add nothing more
-            await conn.execute(sa.delete(Turn).where(Turn.episode_id == episode_id))
         task = (await conn.execute(sa.select(Task).where(Task.id == row.task_id))).one()
     return row, task, attempt
 
@@ -105,9 +100,7 @@ async def execute_episode(engine: AsyncEngine, settings: Settings, episode_id: u
         except TurnsLost as e:  # the database lost committed turns in a crash: start over
             logger.warning("%s; starting the episode over", e)
             async with engine.begin() as conn:
-                await conn.execute(sa.update(Episode).where(Episode.id == episode_id, Episode.status == "running")
-                                   .values(status="queued", attempt=Episode.attempt + 1, queued_at=utcnow()))
-                await conn.execute(sa.delete(Turn).where(Turn.episode_id == episode_id))
+                await Buffer.restart_attempts(conn, [episode_id])
     raise RuntimeError(f"episode {episode_id}: turns kept getting lost; the orchestrator will send it again")
 
 
@@ -225,9 +218,7 @@ class Heartbeat:
                 break
             try:
                 async with self.engine.begin() as conn:
-                    alive = dict((await conn.execute(
-                        sa.update(Episode).where(Episode.id.in_(list(watched)), Episode.status == "running")
-                        .values(heartbeat_at=utcnow()).returning(Episode.id, Episode.attempt))).all())
+                    alive = await Buffer.heartbeat(conn, list(watched))
                     runs = dict((await conn.execute(sa.select(Run.id, Run.status).where(
                         Run.id.in_({run_id for _, run_id, _ in watched.values()})))).all())
             except (OperationalError, InterfaceError, PoolTimeout) as e:  # keep working; turns wait for it

@@ -16,7 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from envs.integrity import IntegrityMode
 from sandboxes.base import SandboxLimits
 from service.agent import AgentConfig
-from service.tables import Episode, Group, Run, Suite, Task, utcnow
+from service.buffer import Buffer
+from service.tables import Suite, Task
 
 
 class OraclePolicyConfig(BaseModel):
@@ -121,18 +122,8 @@ async def create_run(engine: AsyncEngine, cfg: RunConfig) -> uuid.UUID:
         if cfg.instance_ids is not None and len(tasks) != len(set(cfg.instance_ids)):
             missing = set(cfg.instance_ids) - {t.instance_id for t in tasks}
             raise RunError(f"instance_ids: not in the suite: {sorted(missing)[:10]}")
-        await conn.execute(sa.insert(Run).values(
-            id=run_id, suite_id=cfg.suite_id, name=cfg.name, status="running",
-            config=json.loads(cfg.model_dump_json()), config_hash=cfg.hash(), created_at=utcnow(),
-            started_at=utcnow()))
-        groups, episodes = [], []
-        for task in tasks:
-            group_id = uuid.uuid4()
-            groups.append({"id": group_id, "run_id": run_id, "task_id": task.id, "size": cfg.samples_per_task,
-                           "status": "pending", "created_at": utcnow()})
-            episodes += [{"id": uuid.uuid4(), "run_id": run_id, "group_id": group_id, "task_id": task.id,
-                          "sample_index": i, "status": "pending", "trainable": cfg.policy.type == "vllm",
-                          "config_hash": cfg.hash(), "created_at": utcnow()} for i in range(cfg.samples_per_task)]
-        await conn.execute(sa.insert(Group), groups)
-        await conn.execute(sa.insert(Episode), episodes)
+        await Buffer.create_run(conn, run_id, suite_id=cfg.suite_id, name=cfg.name,
+                                config=json.loads(cfg.model_dump_json()), config_hash=cfg.hash(),
+                                task_ids=[t.id for t in tasks], samples=cfg.samples_per_task,
+                                trainable=cfg.policy.type == "vllm")
     return run_id

@@ -449,15 +449,11 @@ class Trainer:
 
     async def publish(self, version: int, metrics: dict) -> list[str]:
         from service.inference import FleetConfig, VLLMClient
-        from service.tables import Policy, utcnow
 
         path = await asyncio.to_thread(self.publish_weights, version)
         if self.rank != 0:
             return []
-        async with self.engine.begin() as conn:
-            await conn.execute(sa.insert(Policy).values(version=version, weights_path=str(path),
-                                                        trainer_step=self.step, created_at=utcnow(),
-                                                        info={k: v for k, v in metrics.items() if v is not None}))
+        await self.buffer.record_policy(version, str(path), self.step, {k: v for k, v in metrics.items() if v is not None})
         if not self.cfg.endpoints:
             return []
         async with VLLMClient(FleetConfig(endpoints=self.cfg.endpoints, model=self.cfg.served_model)) as fleet:
@@ -520,7 +516,7 @@ class Trainer:
 
     async def resume(self) -> None:
         """Back to the last checkpoint (or the initial weights): later steps never happened."""
-        from service.tables import Group, Policy
+        from service.tables import Policy
 
         found = self._share(self.checkpoints())  # rank 0's view: the ranks load the same one
         if found:
@@ -530,19 +526,12 @@ class Trainer:
             self.step = 0
         publish = write = False
         if self.rank == 0:
-            async with self.engine.begin() as conn:
-                undone = sa.update(Group).where(Group.status == "consumed", Group.trainer_step > self.step)
-                if self.cfg.run_id is not None:
-                    undone = undone.where(Group.run_id == self.cfg.run_id)
-                back = await conn.execute(undone.values(status="ready", claim_id=None, claim_expires_at=None,
-                                                        consumed_at=None, trainer_step=None, claimed_by=None))
-                withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > self.step))
+            back, withdrawn = await self.buffer.rewind(self.step, self.cfg.run_id)
             # the step that was running when this trainer died held claims; they are ours
             unclaimed = await self.buffer.release_owner(self.cfg.name, self.cfg.run_id)
-            if back.rowcount or withdrawn.rowcount or unclaimed:
+            if back or withdrawn or unclaimed:
                 logger.warning("resumed at step %d: %d consumed and %d claimed group(s) back to the buffer, "
-                               "%d policy version(s) withdrawn", self.step, back.rowcount, unclaimed,
-                               withdrawn.rowcount)
+                               "%d policy version(s) withdrawn", self.step, back, unclaimed, withdrawn)
             if self.step == 0:
                 await self._record_initial_policy()
             else:  # died between the checkpoint and the publication: publish now
@@ -617,13 +606,7 @@ class Trainer:
         return history
 
     async def _record_initial_policy(self) -> None:
-        from service.tables import Policy, utcnow
-
-        async with self.engine.begin() as conn:
-            exists = await conn.scalar(sa.select(Policy.version).where(Policy.version == 0))
-            if exists is None:
-                await conn.execute(sa.insert(Policy).values(version=0, weights_path=str(self.cfg.model.resolve()),
-                                                            trainer_step=0, created_at=utcnow()))
+        await self.buffer.record_policy(0, str(self.cfg.model.resolve()), 0, if_absent=True)
 
 
 def _check_distributed(par: ParallelismConfig, world: int) -> None:

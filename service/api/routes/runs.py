@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from service.api.answers import Answers, AnswersDep, is_oracle
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
+from service.buffer import Buffer
 from service.records import decode_array
 from service.runs import RunConfig, RunError, create_run
 from service.schemas import HTTPValidationError, Problem
@@ -107,9 +108,8 @@ async def show_run(session: SessionDep, run_id: uuid.UUID) -> dict:
              responses={401: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}})
 async def cancel_run(session: SessionDep, run_id: uuid.UUID) -> dict:
     run = await get_run(session, run_id)
-    if run.status not in RUN_ACTIVE_STATUSES:
+    if not await Buffer.request_cancel(await session.connection(), run_id):
         raise HTTPException(status_code=409, detail=f"run {run_id} is already {run.status}")
-    run.status = "cancelling"
     await session.commit()
     return {"id": run_id, "status": "cancelling"}
 
