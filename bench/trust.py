@@ -20,28 +20,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Runs inside a fresh interpreter with one tree's `sandboxes` package first on sys.path.
+# Runs inside a fresh interpreter with one tree first on sys.path: its sandboxes, and its
+# bench/sandbox.py's `ours` (starts, then round trips).
 PROBE = r"""
-import asyncio, json, statistics, sys, tempfile, time
+import asyncio, json, statistics, sys, tempfile
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-from sandboxes.base import SandboxLimits, open_sandbox
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/bench"]
+from sandboxes.base import SandboxLimits
 from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
+from sandbox import ours
 n_commands, n_starts, repo, image = int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 
 async def measure(config):
-    starts = []
-    for _ in range(n_starts):
-        t = time.perf_counter()
-        async with open_sandbox(config) as sb:
-            await sb.execute("true")
-        starts.append(time.perf_counter() - t)
-    async with open_sandbox(config) as sb:
-        rtts = []
-        for _ in range(n_commands):
-            t = time.perf_counter()
-            await sb.execute("true")
-            rtts.append(time.perf_counter() - t)
+    rtts, starts = await ours(config, n_commands, n_starts)
     return {"start_ms": statistics.median(starts) * 1e3, "rtt_ms": statistics.median(rtts) * 1e3}
 
 async def main():

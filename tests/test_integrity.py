@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from envs.grading import GradingReport, report_from_log
 from envs.integrity import protected, config_test_sections
@@ -24,8 +23,8 @@ from sandboxes.environments import EnvironmentSpec, prepare_bwrap, prepare_docke
 from sandboxes.netns import host_addresses
 from service.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
 from service.policies import oracle, replay
-from service.tiny_model import init_tiny
 from tests.sandbox_fixtures import backend  # noqa: F401 - fixture
+from tests.test_swe_env import env_cache, tokenizer  # noqa: F401 - fixtures
 
 SUITE = Path(__file__).resolve().parent.parent / "envs" / "example_suite" / "suite.jsonl"
 TASKS = [Task.model_validate(json.loads(line)) for line in SUITE.read_text().splitlines()]
@@ -39,16 +38,6 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     report.outcome = "passed"
 """
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(init_tiny(tmp_path_factory.mktemp("tok") / "tiny"))
-
-
-@pytest.fixture(scope="module")
-def env_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("envs")
 
 
 def bash(command: str) -> dict:
