@@ -171,7 +171,7 @@ async def guard_changes(sandbox, *, diff: str, base_commit: str, graded: set[str
             continue
         name = posixpath.basename(path)
         if name in SECTIONED and not protected(path, graded):
-            before, after = await _read(sandbox, f"git show {base_commit}:{shlex.quote(path)}"), await _read(sandbox, f"cat -- {shlex.quote(path)}")
+            before, after = await _read(sandbox, f"git show {base_commit}:{shlex.quote(path)}"), await _current(sandbox, path)
             if config_test_sections(name, before) == config_test_sections(name, after):
                 continue
         elif not protected(path, graded):
@@ -186,6 +186,13 @@ async def guard_changes(sandbox, *, diff: str, base_commit: str, graded: set[str
 async def _read(sandbox, command: str) -> str | None:
     result = await sandbox.execute(command + " 2>/dev/null", timeout_s=60)
     return result.output if result.exit_code == 0 else None
+
+
+async def _current(sandbox, path: str) -> str | None:
+    try:
+        return (await sandbox.read_file(path)).decode(errors="replace")
+    except FileNotFoundError:
+        return None
 
 
 async def _reset(sandbox, base_commit: str, paths) -> None:
