@@ -26,9 +26,9 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from envs.swe_env import SWEEnv, SWEEnvConfig, task_sandbox  # noqa: E402
 from envs.task import Task  # noqa: E402
-from service.agent import AgentConfig, TokenRenderer, run_episode  # noqa: E402
-from service.policies import replay  # noqa: E402
-from service.tiny_model import init_tiny  # noqa: E402
+from service.worker.agent import AgentConfig, TokenRenderer, run_episode  # noqa: E402
+from service.worker.scripted import replay  # noqa: E402
+from service.fleet.tiny_model import init_tiny  # noqa: E402
 
 SUITE = ROOT / "envs" / "example_suite" / "suite.jsonl"
 

@@ -25,10 +25,10 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service import db  # noqa: E402
-from service.agent import TurnRecord  # noqa: E402
-from service.buffer import Buffer  # noqa: E402
-from service.tables import Episode, Group, Run, Suite, Task, utcnow  # noqa: E402
+from service.store import db  # noqa: E402
+from service.worker.agent import TurnRecord  # noqa: E402
+from service.store.buffer import Buffer  # noqa: E402
+from service.store.tables import Episode, Group, Run, Suite, Task, utcnow  # noqa: E402
 
 ADMIN = os.environ.get("SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 LAYERS, TOP_K = 78, 8

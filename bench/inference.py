@@ -21,9 +21,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.inference import FleetConfig, SamplingParams, VLLMClient  # noqa: E402
-from service.tiny_model import init_tiny  # noqa: E402
-from service.vllm_server import VLLMServer, set_version  # noqa: E402
+from service.fleet.client import FleetConfig, SamplingParams, VLLMClient  # noqa: E402
+from service.fleet.tiny_model import init_tiny  # noqa: E402
+from service.fleet.server import VLLMServer, set_version  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
 PROMPT = list(range(1, 200))
@@ -97,7 +97,7 @@ async def main() -> None:
     args = parser.parse_args()
 
     port = free_port()
-    stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "service.stub_vllm:create_stub",
+    stub = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "service.fleet.stub:create_stub",
                              "--port", str(port), "--log-level", "warning", "--no-access-log"], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from envs.synthetic import synthetic_suite  # noqa: E402
-from service import db  # noqa: E402
+from service.store import db  # noqa: E402
 
 TOKEN = "bench-token-0123456789abcdef"
 ADMIN_URL = os.environ.get("SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")

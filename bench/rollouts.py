@@ -30,14 +30,15 @@ import psutil  # noqa: E402
 import redis  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
 
-from service import db  # noqa: E402
-from service.celery_app import make_celery  # noqa: E402
+from service.store import db  # noqa: E402
+from service.worker.app import make_celery  # noqa: E402
 from service.config import load_settings  # noqa: E402
-from service.orchestrator import Supervisor  # noqa: E402
-from service.runs import RunConfig, create_run  # noqa: E402
-from service.suites import file_chunks, import_suite, parser_for_file  # noqa: E402
-from service.tables import Episode, Run, Turn  # noqa: E402
-from service.tiny_model import init_tiny  # noqa: E402
+from service.control.orchestrator import Supervisor  # noqa: E402
+from service.control.runs import create_run  # noqa: E402
+from service.worker.config import RunConfig  # noqa: E402
+from service.control.suites import file_chunks, import_suite, parser_for_file  # noqa: E402
+from service.store.tables import Episode, Run, Turn  # noqa: E402
+from service.fleet.tiny_model import init_tiny  # noqa: E402
 
 SUITE = ROOT / "envs" / "example_suite" / "suite.jsonl"
 PG_ADMIN = os.environ.get("SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")

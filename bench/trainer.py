@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 def groups_for(tokens: int, doc: int, seed: int = 0):
     import numpy as np
 
-    from service.buffer import EpisodeData, GroupData
+    from service.store.buffer import EpisodeData, GroupData
 
     rng = np.random.default_rng(seed)
     n_docs = tokens // doc
@@ -104,7 +104,7 @@ def main() -> None:
         mode, model_dir, tokens = args.child
         print(json.dumps(measure(mode, model_dir, int(tokens), args.doc, args.repeats)))
         return
-    from service.tiny_model import TinyModelSpec, init_tiny
+    from service.fleet.tiny_model import TinyModelSpec, init_tiny
 
     model_dir = init_tiny(Path(tempfile.mkdtemp()) / "moe", TinyModelSpec(moe=True))
     env = os.environ | {"OMP_NUM_THREADS": "1"}

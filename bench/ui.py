@@ -20,11 +20,11 @@ sys.path.insert(0, str(ROOT))
 
 import sqlalchemy as sa  # noqa: E402
 
-from service import db  # noqa: E402
-from service.agent import TurnRecord  # noqa: E402
-from service.buffer import Buffer  # noqa: E402
+from service.store import db  # noqa: E402
+from service.worker.agent import TurnRecord  # noqa: E402
+from service.store.buffer import Buffer  # noqa: E402
 from service.config import load_settings  # noqa: E402
-from service.tables import Episode, Group, Run, Suite, Task, utcnow  # noqa: E402
+from service.store.tables import Episode, Group, Run, Suite, Task, utcnow  # noqa: E402
 
 
 async def populate(url: str, runs: int, turns: int, tokens: int) -> uuid.UUID:
@@ -72,7 +72,7 @@ def main() -> None:
 
     from playwright.sync_api import sync_playwright
 
-    from service.api.main import create_app
+    from service.app import create_app
     from tests.servers import ThreadServer
 
     tmp = Path(tempfile.mkdtemp())

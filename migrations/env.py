@@ -1,9 +1,9 @@
-"""Alembic environment: the URL comes from alembic's config (set by service.db) or Settings."""
+"""Alembic environment: the URL comes from alembic's config (set by service.store.db) or Settings."""
 
 from alembic import context
 from sqlalchemy import pool
 
-from service.db import make_engine, metadata
+from service.store.db import make_engine, metadata
 
 config = context.config
 

@@ -43,7 +43,7 @@ done
 # Spared: init, the keeper, the supervisor and its children (the shell, or its replacement).
 
 
-def _client():
+def docker_client():
     import docker
 
     try:
@@ -72,8 +72,8 @@ class DockerSandbox(ShellSandbox):
 
     @classmethod
     async def start(cls, config) -> DockerSandbox:
-        client = await asyncio.to_thread(_client)
-        PeriodicReaper.ensure_running(docker=True)
+        client = await asyncio.to_thread(docker_client)
+        PeriodicReaper.ensure_running(also=reap_containers)
         image = config.image or await asyncio.to_thread(ensure_base_image, client, BASE_IMAGE)
         sandbox_id = f"swd-{uuid.uuid4().hex[:16]}"
         container = await asyncio.to_thread(cls._create, client, config, image, sandbox_id)
@@ -220,7 +220,7 @@ def _owner_gone(labels: dict[str, str], now: float) -> bool:
 
 def reap_containers(client=None) -> list[str]:
     """Remove swerve containers whose owner died or whose lifetime is over."""
-    client = client or _client()
+    client = client or docker_client()
     now, reaped = time.time(), []
     for container in client.containers.list(all=True, filters={"label": LABEL}):
         if _owner_gone(container.labels, now):

@@ -178,11 +178,11 @@ async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:
 async def prepare_docker(spec: EnvironmentSpec, client=None) -> str:
     """The image for spec (`swerve-env:<key>`), built from the base image if needed."""
     from sandboxes.config import DockerSandboxConfig
-    from sandboxes.docker import _client
+    from sandboxes.docker import docker_client
     from sandboxes.images import BASE_IMAGE, ensure_base_image
     from sandboxes.reaper import state_root
 
-    client = client or await asyncio.to_thread(_client)
+    client = client or await asyncio.to_thread(docker_client)
     base = await asyncio.to_thread(ensure_base_image, client, BASE_IMAGE)
     key = spec.key("docker", base)
     tag = f"swerve-env:{key}"

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -99,28 +100,22 @@ def reap_local(root: Path | None = None, prefixes: tuple[str, ...] = ("swb-", ".
     return reaped
 
 
-def reap_docker(client=None) -> list[str]:
-    """Remove swerve containers whose owner (on this host) died or whose lifetime is over."""
-    from sandboxes.docker import reap_containers
-
-    return reap_containers(client)
-
-
 class PeriodicReaper:
     """One per process: reaps at start and then every `interval_s` while the loop runs.
 
-    Local state is always reaped; Docker containers too once a Docker sandbox was opened.
+    Local state is always reaped; a backend with state of its own (Docker's containers) adds its
+    reaper when its first sandbox opens.
     """
 
     _task: asyncio.Task | None = None
-    _docker = False
+    _also: tuple[Callable[[], object], ...] = ()
 
     @classmethod
-    def ensure_running(cls, interval_s: float = 60.0, docker: bool = False) -> None:
+    def ensure_running(cls, interval_s: float = 60.0, also: Callable[[], object] | None = None) -> None:
         loop = asyncio.get_running_loop()
-        if docker and not cls._docker:
-            cls._docker = True
-            reap_docker()
+        if also is not None and also not in cls._also:
+            cls._also += (also,)
+            also()
         if cls._task is not None and not cls._task.done() and cls._task.get_loop() is loop:
             return
         reap_local()
@@ -131,5 +126,5 @@ class PeriodicReaper:
         while True:
             await asyncio.sleep(interval_s)
             await asyncio.to_thread(reap_local)
-            if cls._docker:
-                await asyncio.to_thread(reap_docker)
+            for reap in cls._also:
+                await asyncio.to_thread(reap)

@@ -45,7 +45,7 @@ def _is_loopback(host: str) -> bool:
 def _require_migrated(settings: Settings) -> None:
     from alembic.script import ScriptDirectory
 
-    from service import db
+    from service.store import db
 
     head = ScriptDirectory.from_config(db.alembic_config(settings.resolved_database_url))
     current = db.current_revision(settings.resolved_database_url)
@@ -63,7 +63,7 @@ def serve(
     """Run the API and web UI."""
     import uvicorn
 
-    from service.api.main import create_app
+    from service.app import create_app
     from service.log import setup_logging
 
     settings = _settings()
@@ -121,7 +121,7 @@ def run(
                            endpoints=tuple(endpoint or ()),
                            concurrency=concurrency, max_turns=max_turns, max_tokens=max_tokens, host=host,
                            port=port, vllm_port=vllm_port, serve_after=serve, instance_ids=tuple(task or ()))
-    from service.runs import RunError
+    from service.control.runs import RunError
 
     try:
         status = asyncio.run(run_embedded(settings, opts, Console()))
@@ -182,9 +182,9 @@ def worker(
         typer.secho("SWERVE_BROKER_URL is memory:// (embedded): a separate worker cannot reach "
                     "it; set a redis:// broker URL", fg="red", err=True)
         raise typer.Exit(2)
-    from service.celery_app import app as celery
+    from service.worker.app import app as celery
 
-    from service.worker_runtime import runtime
+    from service.worker.runtime import runtime
 
     runtime(settings)  # the loop every episode of this process runs on
     celery.worker_main(["worker", "--pool=threads", f"--concurrency={concurrency}", f"--loglevel={loglevel}",
@@ -194,7 +194,7 @@ def worker(
 @db_app.command("upgrade")
 def db_upgrade(revision: str = "head") -> None:
     """Migrate the database up (to the latest revision by default)."""
-    from service import db
+    from service.store import db
 
     url = _settings().resolved_database_url
     db.upgrade(url, revision)
@@ -204,7 +204,7 @@ def db_upgrade(revision: str = "head") -> None:
 @db_app.command("downgrade")
 def db_downgrade(revision: Annotated[str, typer.Argument(help="Target, e.g. base or -1.")]) -> None:
     """Migrate the database down."""
-    from service import db
+    from service.store import db
 
     url = _settings().resolved_database_url
     db.downgrade(url, revision)
@@ -218,8 +218,8 @@ def suite_import(
     skip_existing: Annotated[bool, typer.Option(help="Do nothing if a suite of that name exists.")] = False,
 ) -> None:
     """Import a SWE-bench suite (JSONL or a JSON array); a bad record imports nothing."""
-    from service import suites
-    from service.db import make_async_engine
+    from service.control import suites
+    from service.store.db import make_async_engine
 
     settings = _settings()
 
@@ -307,7 +307,7 @@ def model_init_tiny(
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
 ) -> None:
     """Write a tiny random Qwen3 model with a locally trained tokenizer and chat template."""
-    from service.tiny_model import TinyModelSpec, init_tiny
+    from service.fleet.tiny_model import TinyModelSpec, init_tiny
 
     init_tiny(out, TinyModelSpec(moe=moe, seed=seed))
     typer.echo(f"wrote {'Qwen3-MoE' if moe else 'Qwen3'} tiny model to {out}")
@@ -324,7 +324,7 @@ def inference_serve(
     """Start a vLLM server (SWERVE_VLLM_PYTHON), wait until healthy, report its version."""
     import signal as signals
 
-    from service.vllm_server import VLLMServer, set_version
+    from service.fleet.server import VLLMServer, set_version
 
     server = VLLMServer(model, port, host=host, max_model_len=max_model_len,
                         log_path=_settings().data_dir / f"vllm-{port}.log")
@@ -356,7 +356,7 @@ def inference_plan(
     output: Annotated[str, typer.Option(help="shell, compose or k8s.")] = "shell",
 ) -> None:
     """Print the vLLM server commands (and a compose or Kubernetes snippet) for a deployment."""
-    from service.fleet_plan import DeploymentConfig, render
+    from service.fleet.plan import DeploymentConfig, render
 
     try:
         cfg = DeploymentConfig.preset(preset, model=model, nodes=nodes, gpus_per_node=gpus_per_node)

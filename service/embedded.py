@@ -1,7 +1,6 @@
 """Embedded mode: the whole service in one process.
 
-`InProcessWorker` consumes Celery's in-memory transport in a thread (any app configured with
-`memory://` starts one, so `swerve serve` works without Redis). `run_embedded` is `swerve run`:
+`run_embedded` is `swerve run`:
 database, suite, tiny model, a local vLLM CPU server, the API with its orchestrators and an
 in-process worker, a live progress bar, a summary table; then it keeps serving.
 """
@@ -10,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
-from celery import Celery
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.config import Settings
@@ -25,39 +22,6 @@ from service.config import Settings
 logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_SUITE = REPO / "envs" / "example_suite" / "suite.jsonl"
-
-
-class InProcessWorker:
-    """A Celery worker on a thread of this process; its pool threads hand episodes to the
-    process's episode loop (service.worker_runtime)."""
-
-    def __init__(self, celery: Celery, settings: Settings, concurrency: int = 64):
-        from celery.worker import WorkController
-
-        from service.worker_runtime import runtime
-
-        runtime(settings)
-        celery.finalize()
-        started = threading.Event()
-
-        class Controller(WorkController):
-            def on_consumer_ready(self, consumer) -> None:
-                started.set()
-
-        self.worker = Controller(app=celery, concurrency=concurrency, pool="threads", queues=["swerve"],
-                                 hostname=f"embedded-{uuid.uuid4().hex[:6]}@localhost", loglevel="WARNING",
-                                 without_heartbeat=True, without_mingle=True, without_gossip=True)
-        self.thread = threading.Thread(target=self.worker.start, name="celery-embedded", daemon=True)
-        self.thread.start()
-        if not started.wait(60):
-            raise RuntimeError("the in-process Celery worker did not start within 60 s")
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        from service.worker_runtime import close_runtime
-
-        close_runtime()  # episodes in flight stop (sandboxes closed); a restart picks them up again
-        self.worker.stop(in_sighandler=False)
-        self.thread.join(timeout_s)
 
 
 @dataclass
@@ -84,8 +48,8 @@ class EmbeddedOptions:
 async def progress_counts(engine: AsyncEngine, run_id: uuid.UUID) -> dict:
     """The API's progress of the run, with the token split and the turns for the summary."""
     from service.api.routes.runs import progress
-    from service.db import session_factory
-    from service.tables import Episode, Run
+    from service.store.db import session_factory
+    from service.store.tables import Episode, Run
 
     async with session_factory(engine)() as session:
         state = await progress(session, await session.get(Run, run_id))
@@ -98,7 +62,7 @@ async def progress_counts(engine: AsyncEngine, run_id: uuid.UUID) -> dict:
 def summary_table(run_id: uuid.UUID, state: dict, elapsed_s: float):
     from rich.table import Table
 
-    from service.tables import EPISODE_FINAL_STATUSES
+    from service.store.tables import EPISODE_FINAL_STATUSES
 
     total = sum(state["episodes"].values())
     final = sum(n for s, n in state["episodes"].items() if s in EPISODE_FINAL_STATUSES)
@@ -124,10 +88,11 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
     import uvicorn
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from service import db
-    from service.api.main import create_app
-    from service.runs import RunConfig, create_run
-    from service.tables import EPISODE_FINAL_STATUSES
+    from service.store import db
+    from service.app import create_app
+    from service.control.runs import create_run
+    from service.worker.config import RunConfig
+    from service.store.tables import EPISODE_FINAL_STATUSES
 
     url = settings.resolved_database_url
     db.upgrade(url)
@@ -193,9 +158,9 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
 
 async def _import_suite(settings: Settings, path: Path, console) -> uuid.UUID:
     """The suite named after the file (its folder for a plain suite.jsonl), imported on first use."""
-    from service import suites
-    from service.db import make_async_engine
-    from service.tables import Suite
+    from service.control import suites
+    from service.store.db import make_async_engine
+    from service.store.tables import Suite
 
     name = path.parent.name if path.stem == "suite" else path.stem
     engine = make_async_engine(settings.resolved_database_url)
@@ -214,7 +179,7 @@ async def _import_suite(settings: Settings, path: Path, console) -> uuid.UUID:
 
 
 def _tiny_model(settings: Settings, console) -> Path:
-    from service.tiny_model import init_tiny
+    from service.fleet.tiny_model import init_tiny
 
     folder = (settings.resolved_models_dir / "tiny-qwen3").resolve()
     if not (folder / "config.json").exists():
@@ -224,7 +189,7 @@ def _tiny_model(settings: Settings, console) -> Path:
 
 
 def _start_vllm(settings: Settings, model: Path, port: int, console):
-    from service.vllm_server import VLLMServer, vllm_python
+    from service.fleet.server import VLLMServer, vllm_python
 
     if not Path(vllm_python()).exists():
         raise RuntimeError(f"vLLM's Python is not at {vllm_python()}: run `make vllm` (or set "

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service import db
-from service.api.main import create_app
+from service.store import db
+from service.app import create_app
 from service.config import load_settings
 
 TOKEN = "test-token-0123456789abcdef"

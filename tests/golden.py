@@ -8,7 +8,7 @@ import uuid
 
 import numpy as np
 
-from service.buffer import EpisodeData, GroupData
+from service.store.buffer import EpisodeData, GroupData
 
 # CPU, float32, torch 2.13, SDPA
 GOLDEN = {"loss": 1.5285574197769165, "grad_norm": 3.958608865737915, "sampled_tokens": 45}

@@ -12,10 +12,10 @@ from transformers import AutoTokenizer
 
 from envs.swe_env import StepResult
 from envs.tools import TOOLS, parse_tool_call
-from service.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
-from service.inference import ContextExceeded, SamplingParams
-from service.policies import ScriptedPolicy, tool_call_text
-from service.tiny_model import init_tiny
+from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
+from service.fleet.client import ContextExceeded, SamplingParams
+from service.worker.scripted import ScriptedPolicy, tool_call_text
+from service.fleet.tiny_model import init_tiny
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ async def test_stop_rules(tokenizer, cfg, status):
 
 
 async def test_provider_failure_ends_the_episode_as_data(tokenizer):
-    from service.inference import ProviderError
+    from service.fleet.client import ProviderError
 
     class DeadFleet:
         async def generate(self, *a, **k):

@@ -17,15 +17,16 @@ from fastapi.routing import APIRoute
 from envs.grading import GradingReport
 from envs.task import Task as TaskRecord
 from envs.validate import ValidationResult
-from service import db
-from service.agent import TurnRecord
-from service.buffer import Buffer
+from service.store import db
+from service.worker.agent import TurnRecord
+from service.store.buffer import Buffer
 from service.config import load_settings
-from service.policies import oracle_actions
-from service.runs import RunConfig, create_run
-from service.suites import task_from_row
-from service.tables import Episode, Run, Suite, Task, Turn
-from service.tiny_model import init_tiny
+from service.worker.scripted import oracle_actions
+from service.control.runs import create_run
+from service.worker.config import RunConfig
+from service.store.tasks import task_from_row
+from service.store.tables import Episode, Run, Suite, Task, Turn
+from service.fleet.tiny_model import init_tiny
 from service.ui import pages
 from tests.conftest import TOKEN, auth, client_for, make_settings
 

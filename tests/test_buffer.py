@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from service import db
-from service.agent import TurnRecord
-from service.buffer import Buffer, ClaimLost, StorageError, storable
-from service.records import decode_array
-from service.tables import Episode, Group, Run, Suite, Task, Turn, utcnow
+from service.store import db
+from service.worker.agent import TurnRecord
+from service.store.buffer import Buffer, ClaimLost, StorageError, storable
+from service.store.records import decode_array
+from service.store.tables import Episode, Group, Run, Suite, Task, Turn, utcnow
 
 
 async def make_groups(engine, n_groups: int, size: int = 2, version: int = 0) -> list[tuple[uuid.UUID, list[uuid.UUID]]]:

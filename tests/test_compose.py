@@ -61,5 +61,5 @@ def test_inference_profiles(profile, service):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     vllm = yaml.safe_load(result.stdout)["services"][service]
-    assert "service.vllm_ext.SwerveWorkerExtension" in vllm["command"]
+    assert "service.fleet.extension.SwerveWorkerExtension" in vllm["command"]
     assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"

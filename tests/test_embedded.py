@@ -45,7 +45,7 @@ def test_embedded_oracle_run(tmp_path):
 
 @pytest.mark.vllm
 async def test_embedded_tiny_model_run(tmp_path, vllm_fleet):
-    from service.vllm_server import VLLMServer
+    from service.fleet.server import VLLMServer
     from tests.test_rollout_e2e import check_run_trajectories
 
     model_dir = vllm_fleet.models["dense"]

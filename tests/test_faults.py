@@ -20,8 +20,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from service import db
-from service.tiny_model import init_tiny
+from service.store import db
+from service.fleet.tiny_model import init_tiny
 from tests.conftest import TOKEN, auth, client_for, make_settings, missing_service
 from tests.sandbox_fixtures import require_bwrap
 from tests.servers import free_port
@@ -130,7 +130,7 @@ async def wait_for_marker(n: int = 1, timeout_s: float = 120) -> None:
 
 async def assert_consistent(client, db_url: str, run_id: str, data_dir: Path, state: dict) -> None:
     """Every episode final with its 4 turns stored once each (0..3), groups ready, nothing left."""
-    from service.tables import Episode, Group, Turn
+    from service.store.tables import Episode, Group, Turn
 
     assert state["status"] == "finished", state
     assert state["episodes"] == {"submitted": 4}, state

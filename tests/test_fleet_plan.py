@@ -9,8 +9,8 @@ import subprocess
 import pytest
 import yaml
 
-from service.fleet_plan import DeploymentConfig, plan, render
-from service.vllm_server import vllm_python
+from service.fleet.plan import DeploymentConfig, plan, render
+from service.fleet.server import vllm_python
 from tests.conftest import missing_service
 
 PARSE = r"""

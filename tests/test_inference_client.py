@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 
-from service.inference import FleetConfig, ProviderError, SamplingParams, VLLMClient, decode_routed_experts
-from service.stub_vllm import create_stub
+from service.fleet.client import FleetConfig, ProviderError, SamplingParams, VLLMClient, decode_routed_experts
+from service.fleet.stub import create_stub
 from tests.servers import ThreadServer
 
 

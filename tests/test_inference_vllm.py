@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from service.inference import ContextExceeded, FleetConfig, ProviderError, SamplingParams, VLLMClient
+from service.fleet.client import ContextExceeded, FleetConfig, ProviderError, SamplingParams, VLLMClient
 from tests.servers import TcpProxy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -112,7 +112,7 @@ async def test_reload_matches_a_fresh_start(vllm_fleet, kind):
 
 @pytest.mark.parametrize("failure", ["fail", "stale"])
 async def test_failed_reload_takes_the_server_out(vllm_fleet, failure):
-    from service.stub_vllm import create_stub
+    from service.fleet.stub import create_stub
     from tests.servers import ThreadServer
 
     with ThreadServer(create_stub(model="tiny", reload=failure)) as broken:
@@ -127,7 +127,7 @@ async def test_failed_reload_takes_the_server_out(vllm_fleet, failure):
 
 
 async def test_chat_endpoint_for_evaluation_only(vllm_fleet):
-    from service.inference import ChatConfig
+    from service.fleet.client import ChatConfig
 
     chat = ChatConfig(base_url=vllm_fleet.url("dense-a") + "/v1", model="tiny").build()
     try:
@@ -141,7 +141,7 @@ async def test_chat_endpoint_for_evaluation_only(vllm_fleet):
 
 
 def test_chat_config_names_a_missing_key_variable(monkeypatch):
-    from service.inference import ChatConfig
+    from service.fleet.client import ChatConfig
 
     monkeypatch.delenv("SWERVE_TEST_MISSING_KEY", raising=False)
     with pytest.raises(ProviderError, match="SWERVE_TEST_MISSING_KEY"):

@@ -6,6 +6,7 @@ and nothing sandboxed is root outside or leaves a setuid file behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -21,8 +22,8 @@ from sandboxes.base import SandboxLimits, open_sandbox
 from sandboxes.bwrap import host_uid
 from sandboxes.environments import EnvironmentSpec, prepare_bwrap, prepare_docker
 from sandboxes.netns import host_addresses
-from service.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
-from service.policies import oracle, replay
+from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
+from service.worker.scripted import oracle, replay
 from tests.sandbox_fixtures import backend  # noqa: F401 - fixture
 from tests.test_swe_env import env_cache, tokenizer  # noqa: F401 - fixtures
 
@@ -293,7 +294,17 @@ async def test_sandboxed_processes_run_as_an_unprivileged_host_uid(env_cache):
     cfg = SWEEnvConfig(backend="bwrap", env_cache_dir=env_cache)
     async with open_sandbox(await sandbox_config(TASK, cfg)) as sandbox:
         inside = (await sandbox.execute("id -u; sleep 30 & echo $!")).output.split()
-        host_pids = [p for p in sandbox.cgroups.procs()]
-        uids = {int(Path(f"/proc/{p}/status").read_text().split("Uid:")[1].split()[0]) for p in host_pids
-                if Path(f"/proc/{p}/status").exists() and "sleep" in Path(f"/proc/{p}/comm").read_text()}
+        for _ in range(50):  # the forked shell becomes `sleep` when it execs
+            uids = {int(Path(f"/proc/{p}/status").read_text().split("Uid:")[1].split()[0])
+                    for p in sandbox.cgroups.procs() if _comm(p) == "sleep"}
+            if uids:
+                break
+            await asyncio.sleep(0.1)
     assert inside[0] == "1000" and uids == {host_uid()}, uids
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return None

@@ -7,7 +7,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from service import db
+from service.store import db
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

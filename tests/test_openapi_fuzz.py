@@ -19,8 +19,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from service import db
-from service.api.main import create_app
+from service.store import db
+from service.app import create_app
 from tests.conftest import PG_ADMIN_URL, TOKEN, drop_pg_database, make_settings
 
 # The schema is read when the module is collected, and the app's start-up reads the database,

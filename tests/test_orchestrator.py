@@ -9,13 +9,14 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 
-from service import db
-from service.agent import TurnRecord
-from service.buffer import Buffer, Superseded
-from service.orchestrator import Supervisor, _tick, orchestrate
-from service.rollout import _start
-from service.runs import RunConfig, create_run
-from service.tables import Episode, Group, Policy, Run, Suite, Task, utcnow
+from service.store import db
+from service.worker.agent import TurnRecord
+from service.store.buffer import Buffer, Superseded
+from service.control.orchestrator import Supervisor, _tick, orchestrate
+from service.worker.executor import _start
+from service.control.runs import create_run
+from service.worker.config import RunConfig
+from service.store.tables import Episode, Group, Policy, Run, Suite, Task, utcnow
 
 
 @pytest.fixture
@@ -185,7 +186,7 @@ async def test_a_zombie_attempt_can_write_nothing(engine):
     await buffer.append_turn(episode_id, turn(0), attempt=second)
     assert await buffer.finish_episode(episode_id, attempt=second, status="submitted")
     async with engine.connect() as conn:
-        from service.tables import Turn
+        from service.store.tables import Turn
 
         turns = (await conn.execute(sa.select(Turn.idx).where(Turn.episode_id == episode_id))).scalars().all()
         group = await conn.scalar(sa.select(Group.status).join(Episode, Episode.group_id == Group.id)
@@ -209,7 +210,7 @@ async def test_lost_workers_episodes_go_back_to_queued_as_a_new_attempt(engine):
     assert sent == [str(episode_id)]
     async with engine.connect() as conn:
         row = (await conn.execute(sa.select(Episode.status, Episode.attempt).where(Episode.id == episode_id))).one()
-        from service.tables import Turn
+        from service.store.tables import Turn
 
         n_turns = await conn.scalar(sa.select(sa.func.count()).select_from(Turn).where(Turn.episode_id == episode_id))
     assert (row.status, row.attempt, n_turns) == ("queued", attempt + 1, 0)

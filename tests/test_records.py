@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.records import (
+from service.store.records import (
     ArrayFormatError,
     decode_array,
     encode_array,

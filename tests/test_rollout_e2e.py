@@ -20,9 +20,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from service import db
-from service.buffer import Buffer
-from service.tiny_model import init_tiny
+from service.store import db
+from service.store.buffer import Buffer
+from service.fleet.tiny_model import init_tiny
 from tests.conftest import auth, client_for, make_settings, missing_service
 from tests.sandbox_fixtures import require_bwrap
 
@@ -232,7 +232,7 @@ async def test_tiny_model_run_on_vllm_records_the_context_it_sampled(worker, vll
     """The tiny model on a real vLLM server, through Redis, a worker process and PostgreSQL:
     each turn's tokens re-render from the stored messages, and every sampled token's logprob
     recomputed by transformers over the concatenated turns equals what vLLM reported."""
-    from service.vllm_server import VLLMServer
+    from service.fleet.server import VLLMServer
 
     db_url, data_dir = worker
     model_dir = vllm_fleet.models["dense"]

@@ -10,7 +10,7 @@ from tests.conftest import require_torchtitan  # noqa: E402
 
 require_torchtitan()
 
-from service.tiny_model import TinyModelSpec, init_tiny
+from service.fleet.tiny_model import TinyModelSpec, init_tiny
 from trainer.model import build_model
 from trainer.replay import recording, replaying
 

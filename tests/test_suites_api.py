@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 
 from envs.synthetic import synthetic_task
-from service import db
-from service.tables import Run, utcnow
+from service.store import db
+from service.store.tables import Run, utcnow
 from tests.conftest import auth, client_for, count_rows, make_settings
 
 SAMPLE = Path(__file__).parent / "data" / "swebench_sample.jsonl"

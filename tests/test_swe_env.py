@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 from envs.grading import RewardError
 from envs.swe_env import SWEEnv, SWEEnvConfig, grade, task_sandbox
 from envs.task import Task
-from service.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
-from service.policies import oracle, replay
-from service.tiny_model import init_tiny
+from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
+from service.worker.scripted import oracle, replay
+from service.fleet.tiny_model import init_tiny
 from tests.sandbox_fixtures import backend  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from service.tiny_model import TinyModelSpec, init_tiny
+from service.fleet.tiny_model import TinyModelSpec, init_tiny
 
 pytestmark = pytest.mark.slow
 

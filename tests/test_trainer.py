@@ -12,11 +12,11 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service import db
-from service.agent import TurnRecord
-from service.buffer import Buffer
-from service.tables import Episode, Group, Policy
-from service.tiny_model import TinyModelSpec, init_tiny
+from service.store import db
+from service.worker.agent import TurnRecord
+from service.store.buffer import Buffer
+from service.store.tables import Episode, Group, Policy
+from service.fleet.tiny_model import TinyModelSpec, init_tiny
 from tests.conftest import require_torchtitan  # noqa: E402
 from tests.golden import GOLDEN, GOLDEN_CONFIG, golden_group
 from tests.test_orchestrator import make_run
@@ -260,8 +260,8 @@ async def test_sft_warm_start_lowers_the_nll_of_scripted_trajectories(engine, ti
     model, _, _ = build_model(tiny["dense"])
     run_id = await fill_buffer(engine, model, [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
     async with engine.begin() as conn:  # what the oracle policy records: logprob 0 for every token
-        from service.records import encode_logprobs
-        from service.tables import Turn
+        from service.store.records import encode_logprobs
+        from service.store.tables import Turn
 
         rows = (await conn.execute(sa.select(Turn.id, Turn.n_output_tokens))).all()
         for turn_id, n in rows:

@@ -35,7 +35,7 @@ def test_real_size_configs_build_on_meta_and_fit_their_layout(name):
 
 
 def test_debug_config_is_the_tiny_model(tmp_path):
-    from service.tiny_model import init_tiny
+    from service.fleet.tiny_model import init_tiny
 
     model = init_tiny(tmp_path / "tiny")
     cfg = load_config(CONFIGS / "debug.toml", [f"--model={model}", "--steps=5", "--loss.kl_coef=0.01"])

@@ -7,7 +7,7 @@ import uuid
 import numpy as np
 import pytest
 
-from service.buffer import EpisodeData, GroupData
+from service.store.buffer import EpisodeData, GroupData
 from trainer.data import DataConfig, episode_sequences, group_advantages, pack, packing_efficiency, sequences_from_groups
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from service.tiny_model import TinyModelSpec, init_tiny
+from service.fleet.tiny_model import TinyModelSpec, init_tiny
 
 from tests.conftest import require_torchtitan  # noqa: E402
 

@@ -20,9 +20,9 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service import db
-from service.tables import Group, Policy
-from service.tiny_model import TinyModelSpec, init_tiny
+from service.store import db
+from service.store.tables import Group, Policy
+from service.fleet.tiny_model import TinyModelSpec, init_tiny
 from tests.conftest import _truncate_pg, require_torchtitan
 
 require_torchtitan()

@@ -28,7 +28,7 @@ async def start_run(client, suite_id: str, url: str, model_dir) -> str:
 
 
 async def test_trainer_consumes_a_run_and_the_fleet_serves_its_versions(worker, vllm_fleet, tmp_path):  # noqa: F811
-    from service.inference import FleetConfig, VLLMClient
+    from service.fleet.client import FleetConfig, VLLMClient
     from trainer.train import TrainerConfig, train
 
     db_url, data_dir = worker
@@ -55,7 +55,7 @@ async def test_trainer_consumes_a_run_and_the_fleet_serves_its_versions(worker, 
             # the server now computes what the published (trainer's) weights compute
             prompt = list(range(100, 140))
             async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:
-                from service.inference import SamplingParams
+                from service.fleet.client import SamplingParams
 
                 gen = await fleet.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))
             assert gen.policy_version == 2

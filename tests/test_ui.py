@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import db
+from service.store import db
 from tests.conftest import auth, client_for, make_settings
 from tests.ui_data import XSS, hostile_run
 
@@ -79,7 +79,7 @@ async def test_the_runs_list_reports_what_each_run_reports(hostile, db_url):
 async def test_tokens_and_staleness(hostile, db_url):
     import sqlalchemy as sa
 
-    from service.tables import Group
+    from service.store.tables import Group
 
     client, run_id, episodes = hostile
     missing = await client.get(f"/api/v1/episodes/{episodes[0]}/tokens", params={"turn": 0})

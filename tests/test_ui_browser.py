@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service import db
-from service.tiny_model import init_tiny
+from service.store import db
+from service.fleet.tiny_model import init_tiny
 from tests.conftest import TOKEN, auth, make_settings, missing_service
 from tests.sandbox_fixtures import require_bwrap
 from tests.servers import ThreadServer
@@ -44,7 +44,7 @@ def service(tmp_path_factory, vllm_fleet):
     url = f"sqlite:///{tmp / 'swerve.db'}"
     db.upgrade(url)
     settings = make_settings(url, broker_url="memory://", embedded_worker=True, data_dir=tmp)
-    from service.api.main import create_app
+    from service.app import create_app
 
     with ThreadServer(create_app(settings)) as server:
         with httpx.Client(base_url=server.url, headers=auth(), timeout=60) as client:

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from service.celery_app import make_celery
+from service.worker.app import make_celery
 from service.config import load_settings
 from tests.conftest import missing_service
 

@@ -27,7 +27,7 @@ def check_trajectory(episode: dict, problem_statement: str, model_dir: Path) -> 
 
     from envs.swe_env import SYSTEM_PROMPT
     from envs.tools import TOOLS
-    from service.agent import TokenRenderer
+    from service.worker.agent import TokenRenderer
 
     tok, model = _model(str(model_dir))
     renderer = TokenRenderer(tok, TOOLS)

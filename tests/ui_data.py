@@ -6,10 +6,11 @@ import uuid
 
 import sqlalchemy as sa
 
-from service.agent import TurnRecord
-from service.buffer import Buffer
-from service.runs import RunConfig, create_run
-from service.tables import Episode, Suite, Task, utcnow
+from service.worker.agent import TurnRecord
+from service.store.buffer import Buffer
+from service.control.runs import create_run
+from service.worker.config import RunConfig
+from service.store.tables import Episode, Suite, Task, utcnow
 
 XSS = ('<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
        '<a id="evil" href="javascript:window.__xss = 3">click me</a><svg onload="window.__xss = 4"></svg>')
@@ -49,7 +50,7 @@ async def hostile_run(engine, n_turns: int = 3) -> tuple[uuid.UUID, list[uuid.UU
                     "fail_to_pass": {"success": [f"t::{XSS}"] if n % 2 else [], "failure": [] if n % 2 else [f"t::{XSS}"]},
                     "pass_to_pass": {"success": [], "failure": []}, "log_tail": XSS})
     async with engine.begin() as conn:
-        from service.tables import Run
+        from service.store.tables import Run
 
         await conn.execute(sa.update(Run).where(Run.id == run_id).values(status="finished", finished_at=utcnow()))
     return run_id, list(episodes)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from service.tiny_model import TinyModelSpec, init_tiny, perturb
-from service.vllm_server import VLLMServer, set_version, vllm_python
+from service.fleet.tiny_model import TinyModelSpec, init_tiny, perturb
+from service.fleet.server import VLLMServer, set_version, vllm_python
 from tests.conftest import missing_service
 from tests.servers import free_port
 

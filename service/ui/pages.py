@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from urllib.parse import parse_qs
 
 import sqlalchemy as sa
@@ -16,11 +17,10 @@ from fastapi.templating import Jinja2Templates
 from service.api.answers import REDACTED, AnswersDep, answers, remember
 from service.api.deps import SessionDep
 from service.api.routes.runs import episode_detail, get_run, progress, progress_many
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Suite, Task
-from service.ui import HERE
+from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Suite, Task
 
 router = APIRouter(include_in_schema=False)
-templates = Jinja2Templates(directory=HERE / "templates")
+templates = Jinja2Templates(directory=Path(__file__).resolve().parent / "templates")
 templates.env.globals["REDACTED"] = REDACTED
 FIRST_TURNS = 50
 MAX_FORM_BYTES = 4096

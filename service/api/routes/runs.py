@@ -13,11 +13,12 @@ from fastapi import APIRouter, HTTPException, Query, Request
 
 from service.api.answers import Answers, AnswersDep, is_oracle
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
-from service.buffer import Buffer
-from service.records import decode_array
-from service.runs import RunConfig, RunError, create_run
-from service.schemas import HTTPValidationError, Problem
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn
+from service.store.buffer import Buffer
+from service.store.records import decode_array
+from service.control.runs import RunError, create_run
+from service.worker.config import RunConfig
+from service.api.schemas import HTTPValidationError, Problem
+from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, Turn
 
 router = APIRouter(tags=["runs"])
 Limit = Annotated[int, Query(ge=1, le=500)]
@@ -207,9 +208,9 @@ async def episode_tokens(session: SessionDep, answers: AnswersDep, episode_id: u
         return {"turn": turn, "tokens": [], "redacted": ["tokens"]}
     tokenizer_dir = (row.config.get("policy") or {}).get("tokenizer")
     try:
-        from service.rollout import _tokenizer
+        from service.fleet.client import load_tokenizer
 
-        tok = await asyncio.to_thread(_tokenizer, str(tokenizer_dir))
+        tok = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - any loading failure: say which folder
         raise HTTPException(status_code=409, detail=f"the run's tokenizer {tokenizer_dir} cannot be loaded: "
                                                     f"{type(e).__name__}") from e
@@ -259,7 +260,7 @@ async def events(request: Request, answers: AnswersDep, run: uuid.UUID,
 
 @router.get("/buffer")
 async def buffer_stats(request: Request) -> dict:
-    from service.buffer import Buffer
+    from service.store.buffer import Buffer
 
     return await Buffer(request.app.state.engine).stats()
 
@@ -268,7 +269,7 @@ async def buffer_stats(request: Request) -> dict:
 async def list_policies(session: SessionDep, limit: Limit = 100, offset: Offset = 0) -> dict:
     """Policy versions the trainer published, newest first, with the metrics of the step that
     made each (loss, reward, mismatch KL, entropy, masked fraction, staleness, tokens/s...)."""
-    from service.tables import Policy
+    from service.store.tables import Policy
 
     total = await session.scalar(sa.select(sa.func.count()).select_from(Policy))
     rows = (await session.scalars(sa.select(Policy).order_by(Policy.version.desc()).limit(limit).offset(offset))).all()

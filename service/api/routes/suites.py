@@ -9,11 +9,11 @@ from typing import Annotated
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 
-from service import suites as importer
+from service.control import suites as importer
 from service.api.answers import AnswersDep
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep, SettingsDep
 from service.api.routes.tasks import task_summary
-from service.schemas import (
+from service.api.schemas import (
     HTTPValidationError,
     Page,
     Problem,
@@ -23,7 +23,7 @@ from service.schemas import (
     SuiteValidationPublic,
     TaskSummary,
 )
-from service.tables import RUN_ACTIVE_STATUSES, Run, Suite, Task, utcnow
+from service.store.tables import RUN_ACTIVE_STATUSES, Run, Suite, Task, utcnow
 
 router = APIRouter(prefix="/suites", tags=["suites"])
 
@@ -115,7 +115,7 @@ async def list_suite_tasks(
 async def validate_suite(request: Request, session: SessionDep, engine: EngineDep,
                          settings: SettingsDep, suite_id: uuid.UUID) -> dict:
     """Start validating every task (gold patch FULL, empty patch failing) in the background."""
-    from service.validation import run_suite_validation
+    from service.control.validation import run_suite_validation
 
     suite = await live_suite(session, suite_id)
     if suite.validation_status == "running":

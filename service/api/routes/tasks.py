@@ -8,8 +8,8 @@ from fastapi import APIRouter, HTTPException
 
 from service.api.answers import AnswersDep
 from service.api.deps import SessionDep
-from service.schemas import Problem, TaskPublic, TaskSummary
-from service.tables import Task
+from service.api.schemas import Problem, TaskPublic, TaskSummary
+from service.store.tables import Task
 
 router = APIRouter(prefix="/tasks", tags=["tasks"])
 

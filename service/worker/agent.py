@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandboxes.base import SandboxError
-from service.buffer import StorageError
-from service.inference import ContextExceeded, InferenceClient, ProviderError, SamplingParams
+from service.store.buffer import StorageError
+from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 

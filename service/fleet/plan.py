@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-EXTENSION = "service.vllm_ext.SwerveWorkerExtension"
+EXTENSION = "service.fleet.extension.SwerveWorkerExtension"
 
 
 class DeploymentConfig(BaseModel):

@@ -22,8 +22,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from service.records import decode_array, encode_ids, encode_logprobs, encode_routed_experts
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Turn, utcnow
+from service.store.records import decode_array, encode_ids, encode_logprobs, encode_routed_experts
+from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Turn, utcnow
 
 
 class Superseded(Exception):

@@ -12,7 +12,6 @@ import time
 import uuid
 import weakref
 from datetime import datetime, timedelta, timezone
-from functools import lru_cache
 
 import sqlalchemy as sa
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -22,14 +21,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from envs.grading import RewardError
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnv, SWEEnvConfig, grade, task_sandbox
 from sandboxes.base import SandboxError
-from service.agent import EpisodeResult, TokenRenderer, run_episode
-from service.buffer import Buffer, StorageError, Superseded, TurnsLost
+from service.worker.agent import EpisodeResult, TokenRenderer, run_episode
+from service.store.buffer import Buffer, StorageError, Superseded, TurnsLost
 from service.config import Settings
-from service.inference import FleetConfig, ProviderError, VLLMClient
-from service.policies import oracle, replay
-from service.runs import RunConfig
-from service.suites import task_from_row
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, utcnow
+from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_tokenizer
+from service.worker.scripted import oracle, replay
+from service.worker.config import RunConfig
+from service.store.tasks import task_from_row
+from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, utcnow
 
 logger = logging.getLogger(__name__)
 GRADED = ("submitted", "max_turns", "context_exhausted", "timeout")
@@ -58,13 +57,6 @@ async def db_retry(make, what: str, budget_s: float = 300.0):
                            str(e).splitlines()[0][:200], delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-
-
-@lru_cache(maxsize=8)
-def _tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
@@ -234,7 +226,7 @@ class Heartbeat:
 
 async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID,
                attempt: int) -> EpisodeResult:  # fmt: skip
-    tokenizer = _tokenizer(str(cfg.policy.tokenizer))
+    tokenizer = load_tokenizer(str(cfg.policy.tokenizer))
     renderer = TokenRenderer(tokenizer, SWEEnv.tools)
     sink = DbTurnSink(buffer, episode_id, attempt)
     async with task_sandbox(task, env_cfg, episode=str(episode_id)) as sandbox:

@@ -22,10 +22,10 @@ from datetime import timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from service.buffer import Buffer
-from service.inference import FleetConfig, ProviderError, VLLMClient
-from service.runs import RunConfig
-from service.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, utcnow
+from service.store.buffer import Buffer
+from service.fleet.client import FleetConfig, ProviderError, VLLMClient
+from service.worker.config import RunConfig
+from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, utcnow
 
 logger = logging.getLogger(__name__)
 FAILURES = ("sandbox_error", "provider_error", "storage_error")

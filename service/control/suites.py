@@ -18,8 +18,9 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envs.task import Task
-from service.tables import Suite, utcnow
-from service.tables import Task as TaskRow
+from service.store.tables import Suite, utcnow
+from service.store.tables import Task as TaskRow
+from service.store.tasks import task_row
 
 INSERT_BATCH = 500
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
@@ -180,34 +181,6 @@ def _validate(parsed: _Parsed) -> Task | list[RecordError]:
             error(".".join(str(p) for p in err["loc"]) or None, err["msg"], instance_id)
             for err in e.errors(include_url=False)
         ]
-
-
-def task_row(task: Task, suite_id: uuid.UUID, position: int) -> dict[str, Any]:
-    return {
-        "id": uuid.uuid4(), "suite_id": suite_id, "position": position,
-        "instance_id": task.instance_id, "repo": task.repo, "base_commit": task.base_commit,
-        "problem_statement": task.problem_statement, "test_patch": task.test_patch,
-        "patch": task.patch, "fail_to_pass": task.FAIL_TO_PASS,
-        "pass_to_pass": task.PASS_TO_PASS, "version": task.version,
-        "environment_setup_commit": task.environment_setup_commit,
-        "hints_text": task.hints_text, "task_created_at": task.created_at,
-        "source": task.source, "image": task.image, "install": task.install,
-        "test_cmd": task.test_cmd, "log_parser": task.log_parser,
-        "extra": {**task.unknown_fields(), **task.grading_options()} or None,
-    }  # fmt: skip
-
-
-def task_from_row(row: TaskRow) -> Task:
-    """The task record of a stored row (answers included: for the harness, never the agent)."""
-    return Task.model_validate({
-        "instance_id": row.instance_id, "repo": row.repo, "base_commit": row.base_commit,
-        "problem_statement": row.problem_statement, "test_patch": row.test_patch,
-        "FAIL_TO_PASS": row.fail_to_pass, "PASS_TO_PASS": row.pass_to_pass, "patch": row.patch,
-        "version": row.version, "environment_setup_commit": row.environment_setup_commit,
-        "hints_text": row.hints_text, "created_at": row.task_created_at, "source": row.source,
-        "image": row.image, "install": row.install, "test_cmd": row.test_cmd,
-        "log_parser": row.log_parser, **(row.extra or {}),
-    })  # fmt: skip
 
 
 async def _name_taken(conn: AsyncConnection, name: str) -> bool:

@@ -30,7 +30,7 @@ class EpisodeRuntime:
         self._ready.wait()
 
     def _main(self) -> None:
-        from service.db import make_async_engine
+        from service.store.db import make_async_engine
 
         asyncio.set_event_loop(self.loop)
         url = self.settings.resolved_database_url
@@ -40,7 +40,7 @@ class EpisodeRuntime:
         self.loop.run_forever()
 
     def submit(self, episode_id: uuid.UUID) -> Future:
-        from service.rollout import execute_episode
+        from service.worker.executor import execute_episode
 
         return asyncio.run_coroutine_threadsafe(execute_episode(self.engine, self.settings, episode_id), self.loop)
 
@@ -54,7 +54,7 @@ class EpisodeRuntime:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            from service.rollout import close_fleets
+            from service.worker.executor import close_fleets
 
             await close_fleets()
             await self.engine.dispose()

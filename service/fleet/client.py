@@ -15,6 +15,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal, Protocol
 
 import httpx
@@ -410,3 +411,11 @@ def _chat_reply(data: dict) -> ChatReply:
                      finish_reason=choice.get("finish_reason") or "stop",
                      prompt_tokens=usage.get("prompt_tokens", 0),
                      completion_tokens=usage.get("completion_tokens", 0))
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path: str):
+    """The tokenizer and chat template of a model folder (the one the fleet serves), cached."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

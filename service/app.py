@@ -8,10 +8,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from service import db
+from service.store import db
 from service.api.routes import health, runs, suites, tasks
 from service.config import Settings, get_settings
-from service.suites import SuiteNameTaken, SuiteRejected, UploadTooLarge
+from service.control.suites import SuiteNameTaken, SuiteRejected, UploadTooLarge
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +24,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.engine = db.make_async_engine(settings.resolved_database_url)
         app.state.sessions = db.session_factory(app.state.engine)
         app.state.background = set()
-        from service.celery_app import make_celery
+        from service.worker.app import make_celery
 
         app.state.celery = make_celery(settings)
         app.state.worker = None
         if settings.broker_url.startswith("memory://") and settings.embedded_worker:
-            from service.embedded import InProcessWorker
+            from service.worker.inprocess import InProcessWorker
 
             app.state.worker = InProcessWorker(app.state.celery, settings, settings.embedded_worker_concurrency)
         app.state.supervisor = _supervisor(app, settings)
@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _supervisor(app: FastAPI, settings: Settings):
-    from service.orchestrator import Supervisor
+    from service.control.orchestrator import Supervisor
 
     celery = app.state.celery
 

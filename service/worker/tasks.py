@@ -22,7 +22,7 @@ def episode(episode_id: str) -> str | None:
     go to the database, not the broker."""
     from concurrent.futures import CancelledError
 
-    from service.worker_runtime import runtime
+    from service.worker.runtime import runtime
 
     try:
         return runtime().run(uuid.UUID(episode_id))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-EXTENSION = "service.vllm_ext.SwerveWorkerExtension"
+REPO = Path(__file__).resolve().parents[2]
+EXTENSION = "service.fleet.extension.SwerveWorkerExtension"
 
 
 def vllm_python() -> str:

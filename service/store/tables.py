@@ -1,4 +1,4 @@
-"""Database tables. Token arrays are compact binary (service.records), never JSON lists.
+"""Database tables. Token arrays are compact binary (service.store.records), never JSON lists.
 
 The same tables run on PostgreSQL and SQLite; migrations/ holds their history.
 """

@@ -10,7 +10,7 @@ import asyncio
 import json
 
 from envs.task import Task
-from service.inference import Generation, SamplingParams
+from service.fleet.client import Generation, SamplingParams
 
 GOLD_PATH = "/tmp/.swerve_gold.patch"
 

@@ -53,9 +53,9 @@ class RedisTransport(kombu_redis.Transport):
 
 def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
-    app = Celery("swerve", broker=settings.broker_url, include=["service.tasks"])
+    app = Celery("swerve", broker=settings.broker_url, include=["service.worker.tasks"])
     if settings.broker_url.startswith(("redis://", "rediss://")):
-        app.conf.broker_transport = "service.celery_app:RedisTransport"
+        app.conf.broker_transport = "service.worker.app:RedisTransport"
     app.conf.update(
         task_acks_late=True,  # a worker killed mid-episode leaves the task to be redelivered
         task_reject_on_worker_lost=True,

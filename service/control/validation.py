@@ -10,10 +10,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnvConfig
 from envs.validate import validate_task
-from service.buffer import storable
+from service.store.buffer import storable
 from service.config import Settings
-from service.suites import task_from_row
-from service.tables import Suite, Task, utcnow
+from service.store.tasks import task_from_row
+from service.store.tables import Suite, Task, utcnow
 
 logger = logging.getLogger(__name__)
 
