@@ -184,7 +184,7 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig, engine=None):
         """engine None on rank 0: the model, optimizer and step alone (benchmarks, the golden
         test); the loop (`run`) needs the database there."""
-        from service.buffer import Buffer
+        from service.store.buffer import Buffer
         from trainer.model import apply_activation_checkpointing, apply_float8, build_model, set_expert_dtype
         from trainer.replay import enable
 
@@ -448,7 +448,7 @@ class Trainer:
         return out.resolve()
 
     async def publish(self, version: int, metrics: dict) -> list[str]:
-        from service.inference import FleetConfig, VLLMClient
+        from service.fleet.client import FleetConfig, VLLMClient
 
         path = await asyncio.to_thread(self.publish_weights, version)
         if self.rank != 0:
@@ -516,7 +516,7 @@ class Trainer:
 
     async def resume(self) -> None:
         """Back to the last checkpoint (or the initial weights): later steps never happened."""
-        from service.tables import Policy
+        from service.store.tables import Policy
 
         found = self._share(self.checkpoints())  # rank 0's view: the ranks load the same one
         if found:
@@ -545,7 +545,7 @@ class Trainer:
         elif write:
             await asyncio.to_thread(self.publish_weights, self.step)
         if self.cfg.endpoints and self.rank == 0:  # the fleet serves what this trainer now is, before anything else
-            from service.inference import FleetConfig, VLLMClient
+            from service.fleet.client import FleetConfig, VLLMClient
 
             path = self.weights_dir(self.step) if self.step else self.cfg.model
             async with VLLMClient(FleetConfig(endpoints=self.cfg.endpoints, model=self.cfg.served_model)) as fleet:
@@ -554,7 +554,7 @@ class Trainer:
         self._barrier()
 
     async def run(self) -> list[dict]:
-        from service.buffer import ClaimLost
+        from service.store.buffer import ClaimLost
 
         if self.rank == 0 and self.buffer is None:
             raise ValueError("Trainer.run needs a database engine")
@@ -638,7 +638,7 @@ def init_distributed(cfg: TrainerConfig) -> int:
 async def train(cfg: TrainerConfig, database_url: str) -> list[dict]:
     """The loop in this process; under torchrun, this process's rank of it (rank 0 alone opens
     the database)."""
-    from service.db import make_async_engine
+    from service.store.db import make_async_engine
 
     world = init_distributed(cfg)
     rank = dist.get_rank() if world > 1 else 0
