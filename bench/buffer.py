@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from service.store import db  # noqa: E402
-from service.worker.agent import TurnRecord  # noqa: E402
+from service.store.records import TurnRecord  # noqa: E402
 from service.store.buffer import Buffer  # noqa: E402
 from service.store.tables import Episode, Group, Run, Suite, Task, utcnow  # noqa: E402
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 import sqlalchemy as sa  # noqa: E402
 
 from service.store import db  # noqa: E402
-from service.worker.agent import TurnRecord  # noqa: E402
+from service.store.records import TurnRecord  # noqa: E402
 from service.store.buffer import Buffer  # noqa: E402
 from service.config import load_settings  # noqa: E402
 from service.store.tables import Episode, Group, Run, Suite, Task, utcnow  # noqa: E402

@@ -20,7 +20,8 @@ PASSING = ("PASSED", "XFAIL")
 
 
 class RewardError(Exception):
-    """The grading harness failed; `kind` is reward_error or timeout (the episode status)."""
+    """The grading harness failed; `kind` is the episode status it leads to: reward_error, or
+    test_timeout when the hidden tests ran past their limit (not the agent's own `timeout`)."""
 
     def __init__(self, message: str, kind: str = "reward_error", log: str = ""):
         self.kind, self.log = kind, log
@@ -214,7 +215,7 @@ async def run_tests(sandbox, *, base_commit: str, test_patch: str, test_cmd: str
     started = time.monotonic()
     result = await sandbox.execute(test_cmd, timeout_s=timeout_s)
     if result.timed_out:
-        raise RewardError(f"tests did not finish within {timeout_s} s", kind="timeout", log=result.output)
+        raise RewardError(f"tests did not finish within {timeout_s} s", kind="test_timeout", log=result.output)
     report = report_from_log(result.output, parser, f2p, p2p, result.exit_code if exit_code_counts else None)
     report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
     return report

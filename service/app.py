@@ -12,6 +12,7 @@ from service.store import db
 from service.api.routes import health, runs, suites, tasks
 from service.config import Settings, get_settings
 from service.control.suites import SuiteNameTaken, SuiteRejected, UploadTooLarge
+from service.control.views import NotFound, TokenizerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UploadTooLarge)
     async def _too_large(_: Request, exc: UploadTooLarge) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=413)
+
+    @app.exception_handler(NotFound)
+    async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(TokenizerUnavailable)
+    async def _no_tokenizer(_: Request, exc: TokenizerUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(SuiteNameTaken)
     async def _taken(_: Request, exc: SuiteNameTaken) -> JSONResponse:

@@ -141,34 +141,15 @@ def train(
     nproc: Annotated[int, typer.Option(min=1, help="Processes on this machine (torchrun); the config's "
                                                    "parallelism.world_size must match the whole job's.")] = 1,
 ) -> None:
-    """Train on the buffer's ready groups, publish each new policy and reload the fleet.
-    Extra `--section.key=value` arguments override the config. Several processes (FSDP2, expert
-    parallel): `--nproc N`, or `torchrun --nproc_per_node N -m service.cli train ...`."""
+    """Train on the buffer's ready groups, publish each new policy and reload the fleet: the
+    trainer's own process, `python -m trainer`, takes this process's place. Extra
+    `--section.key=value` arguments override the config; `--check` checks the layout only.
+    Several processes (FSDP2, expert parallel): `--nproc N`, or
+    `torchrun --nproc_per_node N -m trainer ...`."""
     import os
     import sys
 
-    from pydantic import ValidationError
-
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:  # become torchrun, which starts this command N times
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "service.cli", "train", f"--config={config}", *ctx.args]
-        os.execv(sys.executable, cmd)
-
-    from service.log import setup_logging
-    from trainer.train import load_config, train as run_training
-
-    settings = _settings()
-    setup_logging(settings.log_format)
-    try:
-        cfg = load_config(config, ctx.args)
-    except (ValueError, ValidationError) as e:
-        typer.secho(f"{config}: {e}", fg="red", err=True)
-        raise typer.Exit(2) from e
-    history = asyncio.run(run_training(cfg, cfg.database_url or settings.resolved_database_url))
-    if os.environ.get("RANK", "0") != "0":
-        return
-    for m in history:
-        typer.echo(json.dumps({k: m[k] for k in ("step", "loss", "reward_mean", "mismatch_kl", "tokens")}))
+    os.execv(sys.executable, [sys.executable, "-m", "trainer", f"--config={config}", f"--nproc={nproc}", *ctx.args])
 
 
 @app.command()

@@ -47,7 +47,7 @@ class EmbeddedOptions:
 
 async def progress_counts(engine: AsyncEngine, run_id: uuid.UUID) -> dict:
     """The API's progress of the run, with the token split and the turns for the summary."""
-    from service.api.routes.runs import progress
+    from service.control.views import progress
     from service.store.db import session_factory
     from service.store.tables import Episode, Run
 
@@ -62,10 +62,7 @@ async def progress_counts(engine: AsyncEngine, run_id: uuid.UUID) -> dict:
 def summary_table(run_id: uuid.UUID, state: dict, elapsed_s: float):
     from rich.table import Table
 
-    from service.store.tables import EPISODE_FINAL_STATUSES
-
-    total = sum(state["episodes"].values())
-    final = sum(n for s, n in state["episodes"].items() if s in EPISODE_FINAL_STATUSES)
+    total, final = sum(state["episodes"].values()), state["final"]
     table = Table(title=f"run {run_id}: {state['status']}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -92,7 +89,7 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
     from service.app import create_app
     from service.control.runs import create_run
     from service.worker.config import RunConfig
-    from service.store.tables import EPISODE_FINAL_STATUSES
+    from service.store.status import RUN_ACTIVE
 
     url = settings.resolved_database_url
     db.upgrade(url)
@@ -132,12 +129,12 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
             while True:
                 state = await progress_counts(engine, run_id)
                 total = sum(state["episodes"].values())
-                final = sum(n for s, n in state["episodes"].items() if s in EPISODE_FINAL_STATUSES)
+                final = state["final"]
                 reward = "-" if state["reward_mean"] is None else f"{state['reward_mean']:.2f}"
                 detail = (f"running {state['episodes'].get('running', 0)}  reward {reward}  "
                           f"tokens {state['input_tokens'] + state['output_tokens']:,}")
                 bar.update(job, total=total, completed=final, detail=detail)
-                if state["status"] not in ("pending", "running", "cancelling"):
+                if state["status"] not in RUN_ACTIVE:
                     break
                 await asyncio.sleep(0.5)
         console.print(summary_table(run_id, state, time.monotonic() - started))

@@ -18,7 +18,7 @@ from envs.grading import GradingReport
 from envs.task import Task as TaskRecord
 from envs.validate import ValidationResult
 from service.store import db
-from service.worker.agent import TurnRecord
+from service.store.records import TurnRecord
 from service.store.buffer import Buffer
 from service.config import load_settings
 from service.worker.scripted import oracle_actions

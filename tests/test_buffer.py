@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from service.store import db
-from service.worker.agent import TurnRecord
+from service.store.records import TurnRecord
 from service.store.buffer import Buffer, ClaimLost, StorageError, storable
 from service.store.records import decode_array
 from service.store.tables import Episode, Group, Run, Suite, Task, Turn, utcnow
@@ -74,10 +74,10 @@ async def test_turns_are_idempotent_and_groups_ready_only_when_complete(buffer):
     claim = await buffer.claim(4, trainer_step=0, max_staleness=2)
     [group] = await buffer.load(claim)
     first = next(e for e in group.episodes if e.id == episodes[0])
-    assert [t["idx"] for t in first.turns] == [0, 1]
-    assert first.turns[0]["output_ids"].tolist() == [4, 5]
-    assert np.allclose(first.turns[0]["output_logprobs"], [-0.5, -1.5])
-    assert first.turns[0]["routed_experts"].shape == (5, 2, 2)
+    assert [t.idx for t in first.turns] == [0, 1]
+    assert first.turns[0].output_ids.tolist() == [4, 5]
+    assert np.allclose(first.turns[0].output_logprobs, [-0.5, -1.5])
+    assert first.turns[0].routed_experts.shape == (5, 2, 2)
     assert next(e for e in group.episodes if e.id == episodes[1]).reward is None
 
 

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from service.store import db
-from service.worker.agent import TurnRecord
+from service.store.records import TurnRecord
 from service.store.buffer import Buffer, Superseded
 from service.control.orchestrator import Supervisor, _tick, orchestrate
 from service.worker.executor import _start

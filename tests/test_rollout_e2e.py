@@ -107,8 +107,8 @@ async def test_oracle_run_through_api_redis_worker_and_postgres(worker, tmp_path
         groups = await buffer.load(claim)
         assert len(groups) == 3 and all(len(g.episodes) == 2 for g in groups)
         turns = groups[0].episodes[0].turns
-        sequence = np.concatenate([np.concatenate([t["input_ids"], t["output_ids"]]) for t in turns])
-        assert len(sequence) == sum(len(t["input_ids"]) + len(t["output_ids"]) for t in turns) > 100
+        sequence = np.concatenate([np.concatenate([t.input_ids, t.output_ids]) for t in turns])
+        assert len(sequence) == sum(len(t.input_ids) + len(t.output_ids) for t in turns) > 100
         await buffer.commit(claim, trainer_step=0)
     finally:
         await engine.dispose()

@@ -71,6 +71,14 @@ async def test_patch_that_does_not_apply_is_a_reward_error_not_zero(env_cache):
         await grade(task, bad, config("bwrap", env_cache))
 
 
+async def test_hidden_tests_past_their_limit_are_a_test_timeout_not_the_agents_timeout(env_cache):
+    task = TASKS[0].model_copy(update={"test_cmd": "sleep 30"})
+    cfg = config("bwrap", env_cache).model_copy(update={"test_timeout_s": 1.0})
+    with pytest.raises(RewardError, match="did not finish within 1.0 s") as caught:
+        await grade(task, "", cfg)
+    assert caught.value.kind == "test_timeout"
+
+
 async def test_new_and_binary_files_are_in_the_diff(env_cache, tokenizer):
     task = TASKS[0]
     cfg = config("bwrap", env_cache)

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from service.store.buffer import EpisodeData, GroupData
+from service.store.records import TurnRecord
 from trainer.data import DataConfig, episode_sequences, group_advantages, pack, packing_efficiency, sequences_from_groups
 
 
 def turn(idx, n_in, n_out, start=0, segment=0, experts=False):
     ids = np.arange(start, start + n_in + n_out)
-    return {"idx": idx, "segment": segment, "input_ids": ids[:n_in], "output_ids": ids[n_in:],
-            "output_logprobs": -np.arange(1, n_out + 1, dtype=np.float32) / 10, "policy_version": 3,
-            "routed_experts": np.full((n_in + n_out, 2, 2), idx, dtype=np.uint8) if experts else None}
+    return TurnRecord(idx=idx, segment=segment, input_ids=ids[:n_in], output_ids=ids[n_in:],
+                      output_logprobs=-np.arange(1, n_out + 1, dtype=np.float32) / 10, policy_version=3,
+                      routed_experts=np.full((n_in + n_out, 2, 2), idx, dtype=np.uint8) if experts else None)
 
 
 def test_advantages():
@@ -42,7 +43,7 @@ def test_segments_become_separate_sequences_and_experts_follow_tokens():
 
 def test_missing_logprobs_are_refused():
     t = turn(0, 3, 2)
-    t["output_logprobs"] = None
+    t.output_logprobs = None
     with pytest.raises(ValueError, match="logprobs"):
         episode_sequences([t], 1.0)
 

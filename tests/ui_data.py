@@ -6,7 +6,7 @@ import uuid
 
 import sqlalchemy as sa
 
-from service.worker.agent import TurnRecord
+from service.store.records import TurnRecord
 from service.store.buffer import Buffer
 from service.control.runs import create_run
 from service.worker.config import RunConfig

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.store.records import TurnRecord
+
 
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -59,26 +61,26 @@ def group_advantages(rewards: list[float], cfg: DataConfig) -> np.ndarray:
     return adv
 
 
-def episode_sequences(turns: list[dict], advantage: float, episode_id=None) -> list[Sequence]:
+def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None) -> list[Sequence]:
     """One sequence per segment (a template that rewrites history starts a new one)."""
-    by_segment: dict[int, list[dict]] = {}
-    for t in sorted(turns, key=lambda t: t["idx"]):
-        by_segment.setdefault(t.get("segment", 0), []).append(t)
+    by_segment: dict[int, list[TurnRecord]] = {}
+    for t in sorted(turns, key=lambda t: t.idx):
+        by_segment.setdefault(t.segment, []).append(t)
     out = []
     for seg_turns in by_segment.values():
         tokens, sampled, logprobs, experts = [], [], [], []
         for t in seg_turns:
-            n_in, n_out = len(t["input_ids"]), len(t["output_ids"])
-            tokens += [np.asarray(t["input_ids"], dtype=np.int64), np.asarray(t["output_ids"], dtype=np.int64)]
+            n_in, n_out = len(t.input_ids), len(t.output_ids)
+            tokens += [np.asarray(t.input_ids, dtype=np.int64), np.asarray(t.output_ids, dtype=np.int64)]
             sampled += [np.zeros(n_in, dtype=bool), np.ones(n_out, dtype=bool)]
-            lp = t.get("output_logprobs")
+            lp = t.output_logprobs
             if lp is None or len(lp) != n_out:
-                raise ValueError(f"episode {episode_id} turn {t['idx']}: {n_out} sampled tokens but "
+                raise ValueError(f"episode {episode_id} turn {t.idx}: {n_out} sampled tokens but "
                                  f"{0 if lp is None else len(lp)} logprobs; not trainable")
             logprobs += [np.zeros(n_in, dtype=np.float32), np.asarray(lp, dtype=np.float32)]
-            experts.append(t.get("routed_experts"))
+            experts.append(t.routed_experts)
         seq = Sequence(np.concatenate(tokens), np.concatenate(sampled), np.concatenate(logprobs), advantage,
-                       episode_id, min((t.get("policy_version") or 0) for t in seg_turns))
+                       episode_id, min((t.policy_version or 0) for t in seg_turns))
         if all(e is not None for e in experts):
             seq.routed_experts = np.concatenate(experts)
             if len(seq.routed_experts) != len(seq.tokens):

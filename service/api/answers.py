@@ -1,87 +1,20 @@
-"""The hidden answers and how a caller without the API token sees them; every route and page
-redacts through `Answers`. Answers: gold patches and hidden tests (`patch`, `test_patch`),
-grading log tails and harness messages, validation logs, and everything an oracle episode
-recorded (it applies the gold patch): its turns' text, tool calls, observations, tokens, diff.
-
-A withheld field is null and named in its object's `redacted` list. The web UI learns the token
-from an HttpOnly cookie (`remember`) that shows answers but never authorizes a change.
-"""
+"""Who may see the hidden answers (service.control.redaction): a caller with the API token, or
+the web UI with the HttpOnly cookie set by `remember`, which shows answers but never authorizes
+a change."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request, Response
 
 from service.api.deps import has_token
+from service.control.redaction import Answers
 
-REDACTED = "redacted: needs the API token"
 COOKIE = "swerve_answers"
-REPORT_SHOWN = ("resolution", "fail_to_pass", "pass_to_pass", "test_exit_code", "duration_s", "guards")
-"""A grading report's fields anyone may see: the verdict and the named tests' outcomes."""
-TURN_ANSWERS = ("text", "tool_call", "observation",
-                "input_ids", "output_ids", "output_logprobs", "routed_experts")
-
-
-def is_oracle(run_config: dict) -> bool:
-    """Whether a run's episodes are the gold patch applied through the tools."""
-    return (run_config.get("policy") or {}).get("type") == "oracle"
-
-
-def _withhold(obj: dict, fields) -> dict:
-    out = dict(obj)
-    out["redacted"] = [f for f in fields if out.get(f) not in (None, "", [], {})]
-    for f in out["redacted"]:
-        out[f] = None
-    return out
-
-
-@dataclass(frozen=True)
-class Answers:
-    """What one caller may see: everything with the token (or in local mode), no answers without."""
-
-    shown: bool
-
-    def hides_turns(self, oracle: bool) -> bool:
-        return oracle and not self.shown
-
-    def task(self, patch: str | None, test_patch: str | None) -> dict:
-        return {"answers_included": self.shown, "patch": patch if self.shown else None,
-                "test_patch": test_patch if self.shown else None}
-
-    def report(self, report: dict | None) -> dict | None:
-        if self.shown or report is None:
-            return report
-        return _withhold(report, [k for k in report if k not in REPORT_SHOWN])
-
-    def turn(self, turn: dict, *, oracle: bool) -> dict:
-        return _withhold(turn, TURN_ANSWERS if self.hides_turns(oracle) else ())
-
-    def episode(self, episode: dict, *, oracle: bool) -> dict:
-        """An episode (a list item, an event, or the detail with report, diff and turns)."""
-        hidden = ["diff"] if self.hides_turns(oracle) else []
-        if not self.shown and episode["error_type"] == "RewardError":  # carries the grading sandbox's output
-            hidden.append("error_message")
-        out = _withhold(episode, hidden)
-        if self.hides_turns(oracle):
-            out["redacted"].append("turns")
-        if "report" in out:
-            out["report"] = self.report(out["report"])
-        if "turns" in out:
-            out["turns"] = [self.turn(t, oracle=oracle) for t in out["turns"]]
-        return out
-
-    def validation(self, validation: dict | None) -> dict | None:
-        """A task's validation; its error is the harness's output when neither patch was graded."""
-        if validation is None:
-            return None
-        harness_failed = validation.get("gold") is None and validation.get("empty") is None
-        out = _withhold(validation, ["error"] if harness_failed and not self.shown else [])
-        return out | {"gold": self.report(out.get("gold")), "empty": self.report(out.get("empty"))}
 
 
 def cookie_value(token: str) -> str:

@@ -119,3 +119,136 @@ class HTTPValidationError(BaseModel):
 
 class Problem(BaseModel):
     detail: str
+
+
+class Health(BaseModel):
+    status: str
+    database: str
+    """The SQL dialect: postgresql or sqlite."""
+    local_mode: bool
+
+
+class RunStatusPublic(BaseModel):
+    """The answer to creating or cancelling a run."""
+
+    id: uuid.UUID
+    status: str
+
+
+class RunProgress(BaseModel):
+    id: uuid.UUID
+    name: str | None
+    status: str
+    """A RunStatus: pending, running, cancelling, finished, failed or cancelled."""
+    suite_id: uuid.UUID
+    created_at: datetime
+    finished_at: datetime | None
+    episodes: dict[str, int]
+    """Episodes by status (service.store.status.EpisodeStatus)."""
+    final: int
+    """Episodes in a final status."""
+    reward_mean: float | None
+    graded: int
+    """Episodes with a reward."""
+    tokens: int
+    pass_at_1: float | None
+    """Mean over tasks of the task's mean reward."""
+    pass_at_k: float | None
+    """Fraction of tasks with at least one episode of reward 1."""
+    tokens_per_s: float | None
+    episodes_per_s: float | None
+    gate: dict[str, Any] | None
+    """Why the orchestrator holds episodes back (staleness), while it does."""
+    owner: str | None
+    guarded: int
+    """Episodes on which an integrity guard fired at grading."""
+
+
+class EpisodePublic(BaseModel):
+    id: uuid.UUID
+    run_id: uuid.UUID
+    group_id: uuid.UUID
+    task_id: uuid.UUID
+    instance_id: str
+    sample_index: int
+    status: str
+    """An EpisodeStatus (service.store.status)."""
+    attempt: int
+    trainable: bool
+    reward: float | None
+    policy_version_min: int | None
+    policy_version_max: int | None
+    n_turns: int
+    input_tokens: int
+    output_tokens: int
+    error_type: str | None
+    error_message: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    guards: list[str] | None
+    redacted: list[str]
+    """Fields withheld from a caller without the API token (they are null)."""
+
+
+class TurnPublic(BaseModel):
+    idx: int
+    segment: int
+    policy_version: int | None
+    finish_reason: str | None
+    text: str | None
+    tool_call: dict[str, Any] | None
+    observation: str | None
+    n_input_tokens: int
+    n_output_tokens: int
+    generation_s: float | None
+    tool_s: float | None
+    input_ids: list[int] | str | None = None
+    """With `arrays=json` a list, with `arrays=base64` the stored compact array; absent by default."""
+    output_ids: list[int] | str | None = None
+    output_logprobs: list[float] | str | None = None
+    routed_experts: list[Any] | str | None = None
+    redacted: list[str]
+
+
+class EpisodeDetail(EpisodePublic):
+    report: dict[str, Any] | None
+    diff: str | None
+    segment_starts: list[int] | None
+    turns: list[TurnPublic]
+
+
+class TokenPublic(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class TurnTokens(BaseModel):
+    turn: int
+    tokens: list[TokenPublic]
+    redacted: list[str]
+
+
+class BufferStats(BaseModel):
+    """Groups by status (service.store.status.GroupStatus)."""
+
+    pending: int
+    ready: int
+    claimed: int
+    consumed: int
+    dropped: int
+
+
+class PolicyPublic(BaseModel):
+    version: int
+    trainer_step: int | None
+    weights_path: str | None
+    created_at: datetime
+    metrics: dict[str, Any]
+    """The metrics of the trainer step that made this version (loss, reward, mismatch KL...)."""
+
+
+class ValidationStarted(BaseModel):
+    status: str
+    results: str
+    """Where the validation's results appear (GET)."""

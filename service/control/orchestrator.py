@@ -25,10 +25,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from service.store.buffer import Buffer
 from service.fleet.client import FleetConfig, ProviderError, VLLMClient
 from service.worker.config import RunConfig
-from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, utcnow
+from service.store.tables import Episode, Group, Policy, Run, utcnow
+from service.store.status import EPISODE_FINAL, FAILURES, RUN_ACTIVE
 
 logger = logging.getLogger(__name__)
-FAILURES = ("sandbox_error", "provider_error", "storage_error")
 
 
 def new_owner() -> str:
@@ -89,7 +89,7 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
         owned = await Buffer.own_run(conn, run_id, owner, lease_s)
         run_status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
         if not owned:
-            return run_status if run_status not in RUN_ACTIVE_STATUSES else "not owner"
+            return run_status if run_status not in RUN_ACTIVE else "not owner"
         counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count())
                                           .where(Episode.run_id == run_id).group_by(Episode.status))).all())
         resend = await _lost(conn, run_id, cfg, all_queued=takeover)
@@ -98,7 +98,7 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
             final = "cancelled" if run_status == "cancelling" else "failed"
             pending = (await conn.execute(sa.select(Episode.id).where(
                 Episode.run_id == run_id, Episode.status.in_(("pending", "queued"))))).scalars().all()
-        elif sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL_STATUSES):
+        elif sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL):
             await Buffer.finish_run(conn, run_id, "finished")
             return "finished"
         else:
@@ -222,7 +222,7 @@ class Supervisor:
         now = utcnow()
         async with self.engine.connect() as conn:
             orphans = (await conn.execute(sa.select(Run.id).where(
-                Run.status.in_(RUN_ACTIVE_STATUSES),
+                Run.status.in_(RUN_ACTIVE),
                 sa.or_(Run.owner.is_(None), Run.owner == self.owner,
                        Run.owner_heartbeat_at < now - timedelta(seconds=self.lease_s))))).scalars().all()
         for run_id in orphans:

@@ -22,8 +22,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from service.store.records import decode_array, encode_ids, encode_logprobs, encode_routed_experts
-from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Turn, utcnow
+from service.store.records import TurnRecord, decode_array, encode_ids, encode_logprobs, encode_routed_experts
+from service.store.tables import Episode, Group, Policy, Run, Turn, utcnow
+from service.store.status import EPISODE_FINAL, RUN_ACTIVE
 
 
 class Superseded(Exception):
@@ -100,8 +101,8 @@ class EpisodeData:
     status: str
     reward: float | None
     policy_version_min: int | None
-    turns: list[dict] = field(default_factory=list)
-    """Per turn: input_ids, output_ids, output_logprobs (numpy arrays), routed_experts or None."""
+    turns: list[TurnRecord] = field(default_factory=list)
+    """Token arrays as numpy arrays; the display fields are not loaded."""
 
 
 @dataclass
@@ -156,7 +157,7 @@ class Buffer:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
-    async def append_turn(self, episode_id: uuid.UUID, turn, attempt: int | None = None) -> None:
+    async def append_turn(self, episode_id: uuid.UUID, turn: TurnRecord, attempt: int | None = None) -> None:
         """Store one finished turn; a repeat of the same (episode, idx) is ignored. With
         `attempt`, raise Superseded (storing nothing) unless that attempt is the running one.
         Raises StorageError if the database refuses the turn."""
@@ -214,9 +215,9 @@ class Buffer:
         last of its group, the group becomes ready. Returns False if it was already final (or,
         with `attempt`, if a newer attempt took over). Raises StorageError if the database
         refuses the fields, TurnsLost if fewer than `n_turns` turns are stored."""
-        if fields.get("status") not in EPISODE_FINAL_STATUSES:
-            raise ValueError(f"status must be one of {EPISODE_FINAL_STATUSES}, got {fields.get('status')!r}")
-        where = [Episode.id == episode_id, Episode.status.not_in(EPISODE_FINAL_STATUSES)]
+        if fields.get("status") not in EPISODE_FINAL:
+            raise ValueError(f"status must be one of {EPISODE_FINAL}, got {fields.get('status')!r}")
+        where = [Episode.id == episode_id, Episode.status.not_in(EPISODE_FINAL)]
         if attempt is not None:
             where.append(Episode.attempt == attempt)
         values = {name: storable(value) for name, value in fields.items()}
@@ -241,7 +242,7 @@ class Buffer:
             lock = lock.with_for_update()
         await conn.execute(lock)  # serialise the last two finishers of a group
         pending = await conn.scalar(sa.select(sa.func.count()).select_from(Episode).where(
-            Episode.group_id == group_id, Episode.status.not_in(EPISODE_FINAL_STATUSES)))
+            Episode.group_id == group_id, Episode.status.not_in(EPISODE_FINAL)))
         if pending:
             return
         oldest = await conn.scalar(sa.select(sa.func.min(Episode.policy_version_min))
@@ -319,15 +320,12 @@ class Buffer:
             episodes = (await conn.execute(sa.select(Episode).where(Episode.group_id.in_(claim.group_ids))
                                            .order_by(Episode.sample_index))).all()
             turns = await _fetch_turns(conn, [e.id for e in episodes])
-        by_episode: dict[uuid.UUID, list[dict]] = {}
+        by_episode: dict[uuid.UUID, list[TurnRecord]] = {}
         for episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version in turns:
-            by_episode.setdefault(episode_id, []).append({
-                "idx": idx, "segment": segment, "input_ids": decode_array(input_ids),
-                "output_ids": decode_array(output_ids),
-                "output_logprobs": decode_array(logprobs) if logprobs else None,
-                "routed_experts": decode_array(experts) if experts else None,
-                "policy_version": version,
-            })  # fmt: skip
+            by_episode.setdefault(episode_id, []).append(TurnRecord(
+                idx=idx, segment=segment, input_ids=decode_array(input_ids), output_ids=decode_array(output_ids),
+                output_logprobs=decode_array(logprobs) if logprobs else None,
+                routed_experts=decode_array(experts) if experts else None, policy_version=version))
         out = {g.id: GroupData(g.id, g.run_id, g.task_id, []) for g in groups}
         for e in episodes:
             out[e.group_id].episodes.append(EpisodeData(e.id, e.sample_index, e.status, e.reward,
@@ -408,7 +406,7 @@ class Buffer:
         """Take or renew the run's lease; the row stays locked until the transaction ends."""
         now = utcnow()
         taken = await conn.execute(sa.update(Run).where(
-            Run.id == run_id, Run.status.in_(RUN_ACTIVE_STATUSES),
+            Run.id == run_id, Run.status.in_(RUN_ACTIVE),
             sa.or_(Run.owner.is_(None), Run.owner == owner, Run.owner_heartbeat_at < now - timedelta(seconds=lease_s)),
         ).values(owner=owner, owner_heartbeat_at=now))
         return taken.rowcount == 1
@@ -432,7 +430,7 @@ class Buffer:
     @staticmethod
     async def request_cancel(conn: AsyncConnection, run_id: uuid.UUID) -> bool:
         """An active run is asked to stop (its orchestrator ends it). False if it was not active."""
-        done = await conn.execute(sa.update(Run).where(Run.id == run_id, Run.status.in_(RUN_ACTIVE_STATUSES))
+        done = await conn.execute(sa.update(Run).where(Run.id == run_id, Run.status.in_(RUN_ACTIVE))
                                   .values(status="cancelling"))
         return done.rowcount == 1
 
@@ -460,6 +458,11 @@ class Buffer:
                                                     consumed_at=None, trainer_step=None, claimed_by=None))
             withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > step))
         return back.rowcount, withdrawn.rowcount
+
+    async def has_policy(self, version: int) -> bool:
+        """Whether `version` is recorded (a trainer resumed at that step publishes it if not)."""
+        async with self.engine.connect() as conn:
+            return await conn.scalar(sa.select(Policy.version).where(Policy.version == version)) is not None
 
     async def stats(self) -> dict[str, int]:
         async with self.engine.connect() as conn:

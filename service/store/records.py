@@ -1,4 +1,5 @@
-"""Compact binary arrays for token ids, logprobs and routed experts (the turns table's blobs).
+"""The turn record, and compact binary arrays for its token ids, logprobs and routed experts
+(the turns table's blobs).
 
 Layout: b"SWA" | version 1 | dtype code | codec | ndim | reserved | ndim x uint32 LE | payload.
 Payloads are little-endian; codec 0 is raw, 1 is zlib. Light module: no FastAPI, no Celery.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
@@ -76,3 +79,29 @@ def encode_routed_experts(experts: np.ndarray, codec: Codec = "raw") -> bytes:
     if experts.ndim != 3:
         raise ValueError(f"routed experts must be [tokens, layers, top_k], got shape {experts.shape}")
     return encode_array(experts, "B" if experts.size == 0 or experts.max() < 256 else "H", codec=codec)
+
+
+@dataclass
+class TurnRecord:
+    """One model call, as the agent loop stores it and Buffer.load gives it back. Loaded for
+    training, the token arrays are numpy arrays and the display fields (text, tool call,
+    observation, timings) are left at their defaults: training reads tokens only."""
+
+    idx: int
+    segment: int
+    input_ids: Sequence[int]
+    """The tokens the environment and chat template added since the previous turn (not trained on)."""
+    output_ids: Sequence[int]
+    """Sampled tokens, exactly as the inference server returned them."""
+    output_logprobs: Sequence[float] | None
+    policy_version: int | None
+    """The policy version of the server that sampled this turn."""
+    finish_reason: str | None = None
+    text: str | None = None
+    tool_call: dict | None = None
+    observation: str | None = None
+    generation_s: float | None = None
+    tool_s: float | None = None
+    policy_version_end: int | None = None
+    routed_experts: Any = None
+    """uint8/uint16 [len(input_ids)+len(output_ids), layers, top_k], or None."""

@@ -15,13 +15,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 JSONType = sa.JSON().with_variant(JSONB(), "postgresql")
 BigIntPK = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
-RUN_ACTIVE_STATUSES = ("pending", "running", "cancelling")
-EPISODE_FINAL_STATUSES = (
-    "submitted", "max_turns", "context_exhausted", "timeout", "sandbox_error",
-    "provider_error", "reward_error", "storage_error", "cancelled",
-)  # fmt: skip
-
-
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -182,7 +175,7 @@ class Episode(Base):
     task_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("tasks.id", ondelete="RESTRICT"))
     sample_index: Mapped[int] = mapped_column()
     status: Mapped[str] = mapped_column(sa.String(32), default="pending")
-    """pending, running, or one of EPISODE_FINAL_STATUSES."""
+    """An EpisodeStatus (service.store.status)."""
     attempt: Mapped[int] = mapped_column(default=0)
     """How many times the episode was (re)started after a lost worker."""
     trainable: Mapped[bool] = mapped_column(default=True)

@@ -14,10 +14,12 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from service.api.answers import REDACTED, AnswersDep, answers, remember
+from service.api.answers import AnswersDep, answers, remember
+from service.control.redaction import REDACTED
 from service.api.deps import SessionDep
-from service.api.routes.runs import episode_detail, get_run, progress, progress_many
-from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Group, Policy, Run, Suite, Task
+from service.control.views import episode_detail, get_run, progress, progress_many
+from service.store.tables import Episode, Group, Policy, Run, Suite, Task
+from service.store.status import EPISODE_FINAL, RUN_ACTIVE
 
 router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=Path(__file__).resolve().parent / "templates")
@@ -47,8 +49,7 @@ async def runs_page(request: Request, session: SessionDep, limit: int = Query(10
     runs = (await session.scalars(sa.select(Run).order_by(Run.created_at.desc()).limit(limit))).all()
     total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
     items = await progress_many(session, list(runs))
-    return _page(request, "runs.html", runs=items, total=total, active=RUN_ACTIVE_STATUSES,
-                 final=EPISODE_FINAL_STATUSES)
+    return _page(request, "runs.html", runs=items, total=total, active=RUN_ACTIVE)
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
@@ -70,7 +71,7 @@ async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
         "finished": [{"t": e.finished_at.isoformat() if e.finished_at else None, "reward": e.reward,
                       "version": e.policy_version_min, "turns": e.n_turns,
                       "tokens": (e.input_tokens or 0) + (e.output_tokens or 0)}
-                     for e in episodes if e.status in EPISODE_FINAL_STATUSES],
+                     for e in episodes if e.status in EPISODE_FINAL],
     }
     consumed = (await session.execute(sa.select(Group.trainer_step, Group.min_policy_version).where(
         Group.run_id == run_id, Group.status == "consumed", Group.trainer_step.is_not(None),
@@ -83,7 +84,7 @@ async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
                for v, info in policies if info]
     return _page(request, "run.html", run=state, tasks=tasks, episodes=episodes, has_staleness=bool(consumed),
                  series_json=json.dumps(series), trainer_json=json.dumps(trainer), has_trainer=bool(trainer),
-                 config_json=json.dumps(run.config, indent=1), active=RUN_ACTIVE_STATUSES)
+                 config_json=json.dumps(run.config, indent=1), active=RUN_ACTIVE)
 
 
 @router.get("/episodes/{episode_id}", response_class=HTMLResponse)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandboxes.base import SandboxError
 from service.store.buffer import StorageError
+from service.store.records import TurnRecord
 from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -38,24 +39,6 @@ class LimitsExceeded(Exception):
     def __init__(self, status: str):
         self.status = status
         super().__init__(status)
-
-
-@dataclass
-class TurnRecord:
-    idx: int
-    segment: int
-    input_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    policy_version: int
-    finish_reason: str
-    text: str
-    tool_call: dict | None
-    observation: str | None
-    generation_s: float
-    tool_s: float
-    policy_version_end: int | None = None
-    routed_experts: Any = None
 
 
 @dataclass

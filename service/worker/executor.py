@@ -28,10 +28,10 @@ from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_to
 from service.worker.scripted import oracle, replay
 from service.worker.config import RunConfig
 from service.store.tasks import task_from_row
-from service.store.tables import EPISODE_FINAL_STATUSES, RUN_ACTIVE_STATUSES, Episode, Run, Task, utcnow
+from service.store.tables import Episode, Run, Task, utcnow
+from service.store.status import EPISODE_FINAL, GRADED, RUN_ACTIVE
 
 logger = logging.getLogger(__name__)
-GRADED = ("submitted", "max_turns", "context_exhausted", "timeout")
 
 
 class DbTurnSink:
@@ -66,7 +66,7 @@ async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
         row = (await conn.execute(sa.select(Episode.status, Episode.attempt, Episode.heartbeat_at, Episode.task_id,
                                             Episode.run_id, Run.status.label("run_status"), Run.config)
                                   .join(Run, Run.id == Episode.run_id).where(Episode.id == episode_id))).first()
-        if row is None or row.status in EPISODE_FINAL_STATUSES:
+        if row is None or row.status in EPISODE_FINAL:
             return None
         restart = row.status == "running"
         if restart:  # a lost worker's attempt (stale heartbeat) starts over; a live one is left alone
@@ -103,7 +103,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
     row, task_row, attempt = started
     buffer = Buffer(engine)
     cfg = RunConfig.model_validate(row.config)
-    if row.run_status not in RUN_ACTIVE_STATUSES or row.run_status == "cancelling":
+    if row.run_status not in RUN_ACTIVE or row.run_status == "cancelling":
         await db_retry(lambda: buffer.finish_episode(episode_id, status="cancelled", attempt=attempt),
                        f"end of episode {episode_id}")
         return "cancelled"
@@ -121,7 +121,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
             if report.guards:  # left NULL otherwise: runs count the episodes that have some
                 fields["guards"] = sorted({g["guard"] for g in report.guards})
     except RewardError as e:
-        result.status = "timeout" if e.kind == "timeout" else "reward_error"
+        result.status = e.kind
         fields = {"report": {"error": str(e), "log_tail": e.log[-4000:]}}
         result.error_type, result.error_message = "RewardError", str(e)
     except Superseded:
@@ -219,7 +219,7 @@ class Heartbeat:
             for episode_id, (attempt, run_id, stop) in watched.items():
                 status = runs.get(run_id)
                 why = "superseded" if alive.get(episode_id) != attempt else (
-                    "cancelled" if status not in RUN_ACTIVE_STATUSES or status == "cancelling" else None)
+                    "cancelled" if status not in RUN_ACTIVE or status == "cancelling" else None)
                 if why is not None and not stop.done():
                     stop.set_result(why)
 

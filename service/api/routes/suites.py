@@ -22,8 +22,10 @@ from service.api.schemas import (
     SuiteRejectedPublic,
     SuiteValidationPublic,
     TaskSummary,
+    ValidationStarted,
 )
-from service.store.tables import RUN_ACTIVE_STATUSES, Run, Suite, Task, utcnow
+from service.store.tables import Run, Suite, Task, utcnow
+from service.store.status import RUN_ACTIVE
 
 router = APIRouter(prefix="/suites", tags=["suites"])
 
@@ -110,7 +112,7 @@ async def list_suite_tasks(
             "limit": limit, "offset": offset}
 
 
-@router.post("/{suite_id}/validate", status_code=202, dependencies=TOKEN_REQUIRED,
+@router.post("/{suite_id}/validate", status_code=202, dependencies=TOKEN_REQUIRED, response_model=ValidationStarted,
              responses={401: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}})
 async def validate_suite(request: Request, session: SessionDep, engine: EngineDep,
                          settings: SettingsDep, suite_id: uuid.UUID) -> dict:
@@ -148,7 +150,7 @@ async def delete_suite(session: SessionDep, suite_id: uuid.UUID) -> Response:
     suite = await live_suite(session, suite_id)
     runs = (await session.execute(sa.select(Run.id, Run.status).where(Run.suite_id == suite_id)))
     runs = runs.all()
-    active = [str(r.id) for r in runs if r.status in RUN_ACTIVE_STATUSES]
+    active = [str(r.id) for r in runs if r.status in RUN_ACTIVE]
     if active:
         raise HTTPException(status_code=409, detail=f"suite is used by active run(s) "
                             f"{', '.join(active[:5])}; cancel them first")

@@ -11,9 +11,6 @@ function statusText(episodes) {
   return Object.keys(episodes).sort().map((k) => `${k} ${episodes[k]}`).join(", ");
 }
 
-const FINAL = ["submitted", "max_turns", "context_exhausted", "timeout", "sandbox_error", "provider_error",
-  "reward_error", "storage_error", "cancelled"];
-
 function setField(root, name, text) {
   root.querySelectorAll(`[data-field="${name}"]`).forEach((el) => { el.textContent = text; });
 }
@@ -26,7 +23,7 @@ function live(root) {
   source.addEventListener("progress", (event) => {
     const p = JSON.parse(event.data);
     const total = Object.values(p.episodes).reduce((a, b) => a + b, 0);
-    const done = Object.entries(p.episodes).filter(([k]) => FINAL.includes(k)).reduce((a, [, n]) => a + n, 0);
+    const done = p.final;
     setField(root, "status", p.status);
     setField(root, "episodes", statusText(p.episodes));
     setField(root, "reward_mean", fmt(p.reward_mean, 3));
