@@ -124,25 +124,3 @@ async def test_failed_reload_takes_the_server_out(vllm_fleet, failure):
                 gen = await fleet.generate(PROMPTS[0], SamplingParams(max_tokens=2), session=f"s{i}")
                 assert (gen.server, gen.policy_version) == (vllm_fleet.url("dense-a"), 3)
             assert await fleet.reload(str(vllm_fleet.models["dense"]), version=0)
-
-
-async def test_chat_endpoint_for_evaluation_only(vllm_fleet):
-    from service.fleet.client import ChatConfig
-
-    chat = ChatConfig(base_url=vllm_fleet.url("dense-a") + "/v1", model="tiny").build()
-    try:
-        reply = await chat.chat([{"role": "system", "content": "You fix bugs."},
-                                 {"role": "user", "content": "Fix lib.py"}], SamplingParams(max_tokens=8, seed=1))
-    finally:
-        await chat.close()
-    assert reply.trainable is False
-    assert reply.completion_tokens >= 1 and reply.prompt_tokens > 10
-    assert isinstance(reply.text, str)
-
-
-def test_chat_config_names_a_missing_key_variable(monkeypatch):
-    from service.fleet.client import ChatConfig
-
-    monkeypatch.delenv("SWERVE_TEST_MISSING_KEY", raising=False)
-    with pytest.raises(ProviderError, match="SWERVE_TEST_MISSING_KEY"):
-        ChatConfig(base_url="http://127.0.0.1:9/v1", model="m", api_key_env="SWERVE_TEST_MISSING_KEY").build()

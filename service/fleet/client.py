@@ -98,9 +98,6 @@ class FleetConfig(BaseModel):
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
     """How in-flight requests ride through a reload (vLLM /pause mode)."""
 
-    def build(self) -> VLLMClient:
-        return VLLMClient(self)
-
 
 @dataclass
 class Endpoint:
@@ -326,91 +323,6 @@ def decode_routed_experts(raw) -> np.ndarray | None:
     if arr.ndim != 3:
         raise ProviderError(f"routed_experts must be [tokens, layers, top_k], got shape {arr.shape}")
     return arr.astype(np.uint8 if arr.size == 0 or arr.max() < 256 else np.uint16)
-
-
-class ChatConfig(BaseModel):
-    """A plain OpenAI-compatible chat endpoint: for evaluation only (no token ids, not trainable)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["openai-chat"] = "openai-chat"
-    base_url: str
-    """e.g. http://host:8000/v1"""
-    model: str
-    api_key_env: str | None = None
-    """Name of the environment variable holding the API key (never the key itself)."""
-    request_timeout_s: float = Field(600.0, gt=0)
-    max_retries: int = Field(6, ge=0)
-    backoff_s: float = Field(0.5, gt=0)
-
-    def build(self) -> ChatClient:
-        return ChatClient(self)
-
-
-@dataclass(slots=True)
-class ChatReply:
-    text: str
-    tool_calls: list[dict]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    trainable: bool = False
-    """Always False: the provider's tokens are unknown, so nothing here can be trained on."""
-
-
-class ChatClient:
-    """Evaluation-only client: messages in, text and tool calls out."""
-
-    def __init__(self, cfg: ChatConfig):
-        import os
-
-        self.cfg = cfg
-        headers = {}
-        if cfg.api_key_env:
-            key = os.environ.get(cfg.api_key_env)
-            if not key:
-                raise ProviderError(f"environment variable {cfg.api_key_env} (api_key_env) is not set")
-            headers["Authorization"] = f"Bearer {key}"
-        self._http = httpx.AsyncClient(timeout=cfg.request_timeout_s, headers=headers)
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def chat(self, messages: list[dict], sampling: SamplingParams,
-                   tools: list[dict] | None = None) -> ChatReply:  # fmt: skip
-        body = {"model": self.cfg.model, "messages": messages, "max_tokens": sampling.max_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p}
-        if tools:
-            body["tools"] = tools
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        delay, last = self.cfg.backoff_s, ""
-        for attempt in range(self.cfg.max_retries + 1):
-            try:
-                response = await self._http.post(f"{self.cfg.base_url.rstrip('/')}/chat/completions", json=body)
-                if response.status_code not in RETRY_STATUSES:
-                    response.raise_for_status()
-                    return _chat_reply(response.json())
-                last = f"HTTP {response.status_code}"
-            except httpx.HTTPStatusError as e:
-                raise ProviderError(f"chat endpoint refused the request: {e.response.status_code} "
-                                    f"{e.response.text[:500]}") from e
-            except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
-            if attempt < self.cfg.max_retries:
-                await asyncio.sleep(min(30.0, delay) * (0.5 + random.random()))
-                delay *= 2
-        raise ProviderError(f"chat endpoint gave no answer after {self.cfg.max_retries + 1} tries; last: {last}")
-
-
-def _chat_reply(data: dict) -> ChatReply:
-    choice = data["choices"][0]
-    message = choice.get("message") or {}
-    usage = data.get("usage") or {}
-    return ChatReply(text=message.get("content") or "", tool_calls=message.get("tool_calls") or [],
-                     finish_reason=choice.get("finish_reason") or "stop",
-                     prompt_tokens=usage.get("prompt_tokens", 0),
-                     completion_tokens=usage.get("completion_tokens", 0))
 
 
 @lru_cache(maxsize=8)

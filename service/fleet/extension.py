@@ -5,7 +5,6 @@ Imports only vLLM and torch. Reached through POST /collective_rpc {"method": NAM
 
 from __future__ import annotations
 
-import hashlib
 
 
 class SwerveWorkerExtension:
@@ -27,11 +26,3 @@ class SwerveWorkerExtension:
                 experts.process_weights_after_loading(module)
                 repacked += 1
         return repacked
-
-    def swerve_checksum(self) -> str:
-        """A digest of every parameter as the kernels hold it (to compare two servers)."""
-        digest = hashlib.sha256()
-        for name, param in sorted(self.model_runner.get_model().named_parameters()):
-            digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
-        return digest.hexdigest()

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sandboxes.base import SandboxError
 from service.store.buffer import StorageError
 from service.store.records import TurnRecord
+from service.store.status import EpisodeStatus
 from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -39,6 +40,21 @@ class LimitsExceeded(Exception):
     def __init__(self, status: str):
         self.status = status
         super().__init__(status)
+
+
+EPISODE_FAILURES = (SandboxError, ProviderError, StorageError)
+"""What ends an episode as a failure of the infrastructure rather than of the agent."""
+
+
+def failure_status(error: Exception) -> EpisodeStatus:
+    """The status of an episode that one of EPISODE_FAILURES ended: the one place they are classified."""
+    if isinstance(error, SandboxError):
+        return "sandbox_error"
+    if isinstance(error, ProviderError):
+        return "provider_error"
+    if isinstance(error, StorageError):
+        return "storage_error"
+    raise TypeError(f"{type(error).__name__} is not an episode failure") from error
 
 
 @dataclass
@@ -167,12 +183,8 @@ async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg
             except LimitsExceeded as stop:
                 result.status = stop.status
         result.diff = await env.diff()
-    except SandboxError as e:
-        _failed(result, "sandbox_error", e)
-    except ProviderError as e:
-        _failed(result, "provider_error", e)
-    except StorageError as e:
-        _failed(result, "storage_error", e)
+    except EPISODE_FAILURES as e:
+        _failed(result, failure_status(e), e)
     return result
 
 

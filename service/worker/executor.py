@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from envs.grading import RewardError
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnv, SWEEnvConfig, grade, task_sandbox
 from sandboxes.base import SandboxError
-from service.worker.agent import EpisodeResult, TokenRenderer, run_episode
+from service.worker.agent import EpisodeResult, TokenRenderer, failure_status, run_episode
 from service.store.buffer import Buffer, StorageError, Superseded, TurnsLost
 from service.config import Settings
 from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_tokenizer
@@ -127,8 +127,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
     except Superseded:
         result.status = "superseded"
     except (SandboxError, ProviderError) as e:
-        result.status = "sandbox_error" if isinstance(e, SandboxError) else "provider_error"
-        result.error_type, result.error_message = type(e).__name__, str(e)
+        result.status, result.error_type, result.error_message = failure_status(e), type(e).__name__, str(e)
     if result.status == "superseded":
         logger.warning("episode %s attempt %d was superseded by a newer attempt; stopped it", episode_id, attempt)
         return None
@@ -140,7 +139,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
             error_type=result.error_type, error_message=result.error_message, **counts, **fields),
             f"end of episode {episode_id}")
     except StorageError as e:  # the database refuses what the episode produced: keep the reason, not a retry loop
-        result.status = "storage_error"
+        result.status = failure_status(e)
         await db_retry(lambda: buffer.finish_episode(
             episode_id, attempt=attempt, status=result.status, error_type=type(e).__name__, error_message=str(e),
             **counts), f"end of episode {episode_id}")

@@ -22,8 +22,6 @@ def tool_call_text(name: str, arguments: dict) -> str:
 class ScriptedPolicy:
     """Answers each call with the next scripted action, then keeps submitting."""
 
-    trainable = False
-
     def __init__(self, tokenizer, actions: list[str], name: str = "replay", latency_s: float = 0.0):
         self.tok, self.actions, self.name, self.latency_s = tokenizer, list(actions), name, latency_s
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
