@@ -1,6 +1,6 @@
 """Per-turn overhead of the agent loop itself (excluding model and command time), side by side
 in one run with mini-swe-agent driven by an equivalent scripted model over the same number of
-steps. Ours: scripted policy, tiny model's tokenizer and chat template, bubblewrap sandbox, an
+steps. Ours: scripted sampler, tiny model's tokenizer and chat template, bubblewrap sandbox, an
 episode that reaches ~131k tokens by turn 300. mini: DeterministicModel + LocalEnvironment.
 
     .venv/bin/python bench/agent_loop.py [--turns 300] [--obs-chars 750]
@@ -45,7 +45,7 @@ class TimedSink:
 async def ours(turns: int, obs_chars: int, tmp: Path) -> tuple[list[float], int]:
     tok = AutoTokenizer.from_pretrained(init_tiny(tmp / "tiny"))
     task = Task.model_validate(json.loads(SUITE.read_text().splitlines()[0]))
-    cfg = SWEEnvConfig(env_cache_dir=ROOT / "var" / "bench" / "envs")
+    cfg = SWEEnvConfig(image_cache_dir=ROOT / "var" / "bench" / "images")
     words = " ".join(f"word{i % 97}" for i in range(obs_chars // 7))[:obs_chars]
     calls = [{"name": "bash", "arguments": {"command": "cat /tmp/obs.txt"}}] * turns + [{"name": "submit", "arguments": {}}]
     async with task_sandbox(task, cfg) as sandbox:

@@ -1,4 +1,4 @@
-"""Rollout service throughput: N concurrent episodes of a scripted policy that waits a simulated
+"""Rollout service throughput: N concurrent episodes of a scripted sampler that waits a simulated
 model latency per turn, on this machine, through the real path (orchestrator -> Redis -> one
 `swerve worker` process -> bubblewrap sandboxes -> PostgreSQL, graded by the task's tests).
 
@@ -31,7 +31,7 @@ import redis  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
 
 from service.store import db  # noqa: E402
-from service.worker.app import make_celery  # noqa: E402
+from service.worker.app import episode_sender, make_celery  # noqa: E402
 from service.config import load_settings  # noqa: E402
 from service.control.orchestrator import Supervisor  # noqa: E402
 from service.control.runs import create_run  # noqa: E402
@@ -69,7 +69,7 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
     calls = [{"name": "bash", "arguments": {"command": "head -c 1000 README.md 2>/dev/null || ls"}}] * turns
     cfg = RunConfig.model_validate({
         "suite_id": suite_id, "samples_per_task": -(-n // tasks), "concurrency": n, "worker_timeout_s": 600,
-        "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls, "latency_s": latency},
+        "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls, "latency_s": latency},
         "agent": {"max_turns": turns + 2}})  # fmt: skip
     worker_before, machine_before = tree_cpu(worker)[0], machine_cpu()
     started = time.perf_counter()
@@ -125,7 +125,7 @@ async def main(args) -> None:
                                  str(max(args.concurrency)), "--loglevel", "WARNING"],
                                 env=env, stdout=open(data / "worker.log", "w"), stderr=subprocess.STDOUT)
         celery = make_celery(load_settings(database_url=url, broker_url=BROKER))
-        supervisor = Supervisor(engine, lambda e: celery.send_task("swerve.episode", args=[e], queue="swerve"))
+        supervisor = Supervisor(engine, episode_sender(celery))
         worker = psutil.Process(proc.pid)
         await asyncio.sleep(3)  # the worker connects
         rows = []

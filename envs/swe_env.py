@@ -21,7 +21,7 @@ from envs.task import Task
 from envs.tools import TOOLS, Editor, ToolCall, parse_tool_call, truncate_middle
 from sandboxes.base import SandboxError, SandboxLimits, open_sandbox
 from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
-from sandboxes.environments import BASE_TAG, EnvironmentSpec, cut_history, prepare_bwrap, prepare_docker
+from sandboxes.task_images import BASE_TAG, ImageSpec, cut_history, prepare_bwrap, prepare_docker
 
 EXAMPLE_BUNDLES = Path(__file__).resolve().parent / "example_suite" / "bundles"
 SYSTEM_PROMPT = (
@@ -37,8 +37,8 @@ class SWEEnvConfig(BaseModel):
 
     backend: Literal["bwrap", "docker"] = "bwrap"
     limits: SandboxLimits = SandboxLimits(command_timeout_s=180)
-    env_cache_dir: Path = Path(os.environ.get("SWERVE_DATA_DIR", "var")) / "envs"
-    """Prepared environments (bubblewrap), one folder per content key."""
+    image_cache_dir: Path = Path(os.environ.get("SWERVE_DATA_DIR", "var")) / "images"
+    """Task images (bubblewrap), one folder per content key."""
     bundle_dirs: tuple[Path, ...] = (Path(os.environ.get("SWERVE_DATA_DIR", "var")) / "bundles", EXAMPLE_BUNDLES)
     """Where `source: bundle:NAME` is looked up (NAME.bundle)."""
     integrity: IntegrityMode = "revert"
@@ -63,17 +63,17 @@ def resolve_source(task: Task, cfg: SWEEnvConfig) -> str:
 
 async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = None,
                          limits: SandboxLimits | None = None):  # fmt: skip
-    """The sandbox config for a task: its environment built (once) and ready to copy."""
+    """The sandbox config for a task: its task image built (once) and ready to copy."""
     limits = limits or cfg.limits
     if task.image and cfg.backend == "docker":
         return DockerSandboxConfig(image=task.image, limits=limits, episode=episode)
-    spec = EnvironmentSpec(source=resolve_source(task, cfg),
+    spec = ImageSpec(source=resolve_source(task, cfg),
                            commit=task.environment_setup_commit or task.base_commit,
                            install=tuple(task.install or ()), build_timeout_s=cfg.build_timeout_s,
                            start=task.base_commit, history=task.history_mode())
     if cfg.backend == "docker":
         return DockerSandboxConfig(image=await prepare_docker(spec), limits=limits, episode=episode)
-    return BwrapSandboxConfig(root=await prepare_bwrap(spec, cfg.env_cache_dir), limits=limits,
+    return BwrapSandboxConfig(root=await prepare_bwrap(spec, cfg.image_cache_dir), limits=limits,
                               episode=episode)
 
 

@@ -29,7 +29,7 @@ class ExecResult:
 
 
 class SandboxError(Exception):
-    """The sandbox cannot serve: it failed to start, died, or its environment failed to build."""
+    """The sandbox cannot serve: it failed to start, died, or its task image failed to build."""
 
 
 class Sandbox(Protocol):
@@ -62,7 +62,7 @@ class SandboxLimits(BaseModel):
     pids: int = Field(512, ge=8)
     """Most processes and threads alive at once (stops fork bombs)."""
     disk_mb: int = Field(8192, ge=16)
-    """Writable space for changes to the environment and /tmp (MiB), where the backend can."""
+    """Writable space for changes to the task image and /tmp (MiB), where the backend can."""
     network: bool = False
     """Whether commands may open network connections. Off unless the task asks."""
     command_timeout_s: float = Field(600.0, gt=0)

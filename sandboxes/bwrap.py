@@ -1,5 +1,5 @@
 """bubblewrap sandboxes: Linux namespaces, a read-only system, a copy-on-write view of the
-prepared environment, cgroup limits, a non-root user inside, and a persistent bash.
+task image, cgroup limits, a non-root user inside, and a persistent bash.
 
 The overlay and its tmpfs upper layer are mounted in a private mount namespace that dies
 with the sandbox, so nothing is ever mounted on the host. bubblewrap itself runs as an
@@ -46,7 +46,7 @@ def host_uid() -> int:
 
 
 # Joins the cgroups, makes a private mount namespace, mounts a size-limited tmpfs for all
-# writes and the overlay of the environment on it, then becomes bwrap as the sandbox's host
+# writes and the overlay of the task image on it, then becomes bwrap as the sandbox's host
 # uid (argv in "$@").
 _LAUNCH = r"""
 set -e

@@ -15,9 +15,9 @@ class BwrapSandboxConfig(BaseModel):
 
     type: Literal["bwrap"] = "bwrap"
     root: Path | None = None
-    """Prepared environment folder, seen copy-on-write at `workdir`. None: an empty workdir."""
+    """Task image folder, seen copy-on-write at `workdir`. None: an empty workdir."""
     writable_root: bool = False
-    """Bind `root` itself read-write (environment builds) instead of a copy-on-write view."""
+    """Bind `root` itself read-write (image builds) instead of a copy-on-write view."""
     workdir: str = "/work"
     limits: SandboxLimits = SandboxLimits()
     ro_binds: tuple[str, ...] = ()

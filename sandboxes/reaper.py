@@ -1,7 +1,7 @@
 """Orphan reaping: whatever a sandbox left behind is removed once its owner is gone or its
 lifetime is over. Runs at start-up and periodically in every process that opens sandboxes.
 
-Every bubblewrap sandbox (and every environment build) owns a folder under the state root with
+Every bubblewrap sandbox (and every image build) owns a folder under the state root with
 an `owner.json`; Docker containers carry the same facts as labels.
 """
 
@@ -73,7 +73,7 @@ def remove_state(folder: Path, owner: Owner | None) -> None:
 def reap_local(root: Path | None = None, prefixes: tuple[str, ...] = ("swb-", ".build-")) -> list[str]:
     """Remove state folders whose owner died or whose lifetime is over; return their names.
 
-    Only folders named with `prefixes` are considered (sandboxes and environment builds).
+    Only folders named with `prefixes` are considered (sandboxes and image builds).
     """
     root = root or state_root()
     if not root.is_dir():

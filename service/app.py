@@ -58,13 +58,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _supervisor(app: FastAPI, settings: Settings):
     from service.control.orchestrator import Supervisor
+    from service.worker.app import episode_sender
 
-    celery = app.state.celery
-
-    def submit(episode_id: str) -> None:
-        celery.send_task("swerve.episode", args=[episode_id], queue="swerve")
-
-    return Supervisor(app.state.engine, submit, lease_s=settings.orchestrator_lease_s)
+    return Supervisor(app.state.engine, episode_sender(app.state.celery), lease_s=settings.orchestrator_lease_s)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

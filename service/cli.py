@@ -83,7 +83,7 @@ def serve(
 @app.command()
 def run(
     suite: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="SWE-bench suite (JSONL or JSON).")] = None,
-    policy: Annotated[str, typer.Option(help="vllm: the tiny model on a local vLLM CPU server; oracle: gold patches.")] = "vllm",
+    sampler: Annotated[str, typer.Option(help="vllm: the tiny model on a local vLLM CPU server; oracle: gold patches.")] = "vllm",
     model: Annotated[Path | None, typer.Option(exists=True, file_okay=False, help="Model folder (default: a tiny Qwen3).")] = None,
     endpoint: Annotated[list[str] | None, typer.Option(help="A vLLM server already serving --model (repeatable); none: start one.")] = None,
     samples: Annotated[int, typer.Option(min=1, help="Episodes per task (group size).")] = 2,
@@ -108,8 +108,8 @@ def run(
     log_path = settings.data_dir / "swerve-run.log"
     setup_logging(settings.log_format, level="INFO", path=log_path)
     typer.echo(f"log: {log_path}")
-    if policy not in ("vllm", "oracle"):
-        typer.secho(f"--policy: must be vllm or oracle, got {policy!r}", fg="red", err=True)
+    if sampler not in ("vllm", "oracle"):
+        typer.secho(f"--sampler: must be vllm or oracle, got {sampler!r}", fg="red", err=True)
         raise typer.Exit(2)
     if settings.local_mode and not _is_loopback(host):
         typer.secho(f"SWERVE_API_TOKEN is unset: refusing to listen on {host}.", fg="red", err=True)
@@ -117,7 +117,7 @@ def run(
     if endpoint and model is None:
         typer.secho("--endpoint: give --model too (the folder with the tokenizer the servers use)", fg="red", err=True)
         raise typer.Exit(2)
-    opts = EmbeddedOptions(suite=suite or EXAMPLE_SUITE, policy=policy, model=model, samples_per_task=samples,
+    opts = EmbeddedOptions(suite=suite or EXAMPLE_SUITE, sampler=sampler, model=model, samples_per_task=samples,
                            endpoints=tuple(endpoint or ()),
                            concurrency=concurrency, max_turns=max_turns, max_tokens=max_tokens, host=host,
                            port=port, vllm_port=vllm_port, serve_after=serve, instance_ids=tuple(task or ()))
@@ -263,7 +263,7 @@ def suite_validate(
             typer.secho(f"not in {file}: {', '.join(sorted(missing))}", fg="red", err=True)
             raise typer.Exit(2)
         tasks = [t for t in tasks if t.instance_id in only]
-    cfg = SWEEnvConfig(backend=backend, env_cache_dir=settings.data_dir / "envs",
+    cfg = SWEEnvConfig(backend=backend, image_cache_dir=settings.data_dir / "images",
                        bundle_dirs=(file.parent / "bundles", settings.data_dir / "bundles"))
     results = asyncio.run(validate_suite(tasks, cfg, concurrency))
     if as_json:

@@ -27,7 +27,7 @@ EXAMPLE_SUITE = REPO / "envs" / "example_suite" / "suite.jsonl"
 @dataclass
 class EmbeddedOptions:
     suite: Path = EXAMPLE_SUITE
-    policy: str = "vllm"
+    sampler: str = "vllm"
     """vllm: the tiny model on a local vLLM CPU server; oracle: gold patches (no model)."""
     endpoints: tuple[str, ...] = ()
     """vLLM servers already running (serving `model`): no local server is started."""
@@ -97,7 +97,7 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
     model = opts.model or _tiny_model(settings, console)
     vllm = None
     endpoints = list(opts.endpoints)
-    if opts.policy == "vllm" and not endpoints:
+    if opts.sampler == "vllm" and not endpoints:
         vllm = _start_vllm(settings, model, opts.vllm_port, console)
         endpoints = [vllm.url]
     app = create_app(settings)
@@ -109,17 +109,17 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
                 await serving
                 raise RuntimeError(f"the API could not listen on {opts.host}:{opts.port}")
             await asyncio.sleep(0.05)
-        policy = ({"type": "vllm", "endpoints": endpoints, "tokenizer": str(model)} if opts.policy == "vllm"
-                  else {"type": "oracle", "tokenizer": str(model)})  # fmt: skip
+        sampler = ({"type": "vllm", "endpoints": endpoints, "tokenizer": str(model)} if opts.sampler == "vllm"
+                   else {"type": "oracle", "tokenizer": str(model)})  # fmt: skip
         cfg = RunConfig.model_validate({
-            "suite_id": suite_id, "name": f"embedded {opts.suite.name}", "policy": policy,
+            "suite_id": suite_id, "name": f"embedded {opts.suite.name}", "sampler": sampler,
             "samples_per_task": opts.samples_per_task, "concurrency": opts.concurrency,
             "agent": {"max_turns": opts.max_turns, "sampling": {"max_tokens": opts.max_tokens}},
         } | ({"instance_ids": list(opts.instance_ids)} if opts.instance_ids else {}))  # fmt: skip
         engine: AsyncEngine = app.state.engine
         run_id = await create_run(engine, cfg)
         app.state.supervisor.start(run_id)
-        console.print(f"run {run_id}: {opts.suite.name}, policy {opts.policy}, "
+        console.print(f"run {run_id}: {opts.suite.name}, sampler {opts.sampler}, "
                       f"{opts.samples_per_task} samples per task, {opts.concurrency} in flight")
         started = time.monotonic()
         columns = (TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -190,7 +190,7 @@ def _start_vllm(settings: Settings, model: Path, port: int, console):
 
     if not Path(vllm_python()).exists():
         raise RuntimeError(f"vLLM's Python is not at {vllm_python()}: run `make vllm` (or set "
-                           "SWERVE_VLLM_PYTHON), or use `swerve run --policy oracle`")
+                           "SWERVE_VLLM_PYTHON), or use `swerve run --sampler oracle`")
     log = (settings.data_dir / f"vllm-{port}.log").resolve()
     log.parent.mkdir(parents=True, exist_ok=True)
     server = VLLMServer(model, port, max_model_len=8192, log_path=log).start()

@@ -1,5 +1,5 @@
 """The agent loop's token bookkeeping and stop rules, with the tiny model's real tokenizer and a
-scripted policy and environment (pure logic: no sandbox, no server)."""
+scripted sampler and environment (pure logic: no sandbox, no server)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from envs.swe_env import StepResult
 from envs.tools import TOOLS, parse_tool_call
 from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
 from service.fleet.client import ContextExceeded, SamplingParams
-from service.worker.scripted import ScriptedPolicy, tool_call_text
+from service.worker.scripted import ScriptedSampler, tool_call_text
 from service.fleet.tiny_model import init_tiny
 
 
@@ -72,8 +72,8 @@ action = st.one_of(
 async def test_turn_tokens_concatenate_to_the_full_rendering(tokenizer, actions, observations):
     env = ScriptedEnv(observations)
     sink = MemoryTurnSink()
-    policy = ScriptedPolicy(tokenizer, actions + [tool_call_text("submit", {})])
-    result = await run_episode(policy, env, TokenRenderer(tokenizer, TOOLS), AgentConfig(max_turns=400), sink)
+    sampler = ScriptedSampler(tokenizer, actions + [tool_call_text("submit", {})])
+    result = await run_episode(sampler, env, TokenRenderer(tokenizer, TOOLS), AgentConfig(max_turns=400), sink)
     assert result.status == "submitted" and result.n_turns == len(actions) + 1
     ids = [i for turn in sink.turns for i in turn.input_ids + turn.output_ids]
     full = full_rendering(tokenizer, env, sink.turns)
@@ -89,9 +89,9 @@ async def test_turn_tokens_concatenate_to_the_full_rendering(tokenizer, actions,
     (AgentConfig(max_context_tokens=2500), "context_exhausted"),
 ])
 async def test_stop_rules(tokenizer, cfg, status):
-    policy = ScriptedPolicy(tokenizer, [tool_call_text("bash", {"command": "ls " * 20})] * 50)
+    sampler = ScriptedSampler(tokenizer, [tool_call_text("bash", {"command": "ls " * 20})] * 50)
     sink = MemoryTurnSink()
-    result = await run_episode(policy, ScriptedEnv(["x" * 200]), TokenRenderer(tokenizer, TOOLS), cfg, sink)
+    result = await run_episode(sampler, ScriptedEnv(["x" * 200]), TokenRenderer(tokenizer, TOOLS), cfg, sink)
     assert result.status == status
     assert result.n_turns == len(sink.turns)
     if status == "context_exhausted":  # still trainable data: every turn kept
@@ -132,7 +132,7 @@ async def test_template_that_rewrites_history_starts_new_segments(tokenizer):
     assert renderer.extends is False
     actions = ["<think>look</think>" + tool_call_text("bash", {"command": "ls"})] * 3 + [tool_call_text("submit", {})]
     sink = MemoryTurnSink()
-    result = await run_episode(ScriptedPolicy(tokenizer, actions), ScriptedEnv(["a"]), renderer, AgentConfig(), sink)
+    result = await run_episode(ScriptedSampler(tokenizer, actions), ScriptedEnv(["a"]), renderer, AgentConfig(), sink)
     assert result.status == "submitted"
     assert result.segment_starts == [0, 1, 2, 3]
     assert [t.segment for t in sink.turns] == [0, 1, 2, 3]

@@ -82,7 +82,7 @@ async def episodes_of(engine, run_id: uuid.UUID) -> list:
 
 async def oracle_run(engine, suite_id: uuid.UUID, tok, tokenizer_dir) -> uuid.UUID:
     run_id = await create_run(engine, RunConfig.model_validate({
-        "suite_id": suite_id, "name": "oracle", "policy": {"type": "oracle", "tokenizer": str(tokenizer_dir)}}))
+        "suite_id": suite_id, "name": "oracle", "sampler": {"type": "oracle", "tokenizer": str(tokenizer_dir)}}))
     buffer = Buffer(engine)
     for row in await episodes_of(engine, run_id):
         gold = task_from_row(row)
@@ -96,7 +96,7 @@ async def oracle_run(engine, suite_id: uuid.UUID, tok, tokenizer_dir) -> uuid.UU
 async def model_run(engine, suite_id: uuid.UUID, tok, tokenizer_dir) -> uuid.UUID:
     run_id = await create_run(engine, RunConfig.model_validate({
         "suite_id": suite_id, "name": "model",
-        "policy": {"type": "vllm", "endpoints": ["http://127.0.0.1:9"], "tokenizer": str(tokenizer_dir)}}))
+        "sampler": {"type": "vllm", "endpoints": ["http://127.0.0.1:9"], "tokenizer": str(tokenizer_dir)}}))
     buffer = Buffer(engine)
     diff = f"diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-x = 0\n+x = '{MODEL}'\n"
     for n, episode_id in enumerate(row.episode_id for row in await episodes_of(engine, run_id)):

@@ -34,11 +34,11 @@ def episodes(data_dir: Path) -> list[tuple]:
 
 
 def test_embedded_oracle_run(tmp_path):
-    done = swerve_run(tmp_path, "--policy", "oracle", "--samples", "2")
+    done = swerve_run(tmp_path, "--sampler", "oracle", "--samples", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4/4 final" in done.stdout and "1.000 over 4 graded" in done.stdout, done.stdout
     assert sorted(episodes(tmp_path)) == [("submitted", 1.0, 3, 0)] * 4
-    again = swerve_run(tmp_path, "--policy", "oracle", "--samples", "1")  # same database: suite reused
+    again = swerve_run(tmp_path, "--sampler", "oracle", "--samples", "1")  # same database: suite reused
     assert again.returncode == 0 and "imported suite" not in again.stdout, again.stdout + again.stderr
     assert len(episodes(tmp_path)) == 6
 
@@ -61,5 +61,5 @@ async def test_embedded_tiny_model_run(tmp_path, vllm_fleet):
 
 
 def test_run_names_a_bad_task_filter(tmp_path):
-    done = swerve_run(tmp_path, "--policy", "oracle", "--task", "nope")
+    done = swerve_run(tmp_path, "--sampler", "oracle", "--task", "nope")
     assert done.returncode == 1 and "instance_ids" in done.stderr and "nope" in done.stderr, done.stderr

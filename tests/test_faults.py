@@ -117,7 +117,7 @@ def service_env(db_url: str, broker_url: str, data_dir: Path) -> dict:
 
 def run_body(suite_id: str, tokenizer: Path) -> dict:
     return {"suite_id": suite_id, "samples_per_task": 2, "concurrency": 2, "worker_timeout_s": 10,
-            "queue_timeout_s": 5, "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": CALLS}}
+            "queue_timeout_s": 5, "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": CALLS}}
 
 
 async def wait_for_marker(n: int = 1, timeout_s: float = 120) -> None:

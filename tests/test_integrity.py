@@ -20,12 +20,12 @@ from envs.swe_env import SWEEnv, SWEEnvConfig, grade, sandbox_config, task_sandb
 from envs.task import Task
 from sandboxes.base import SandboxLimits, open_sandbox
 from sandboxes.bwrap import host_uid
-from sandboxes.environments import EnvironmentSpec, prepare_bwrap, prepare_docker
+from sandboxes.task_images import ImageSpec, prepare_bwrap, prepare_docker
 from sandboxes.netns import host_addresses
 from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
 from service.worker.scripted import oracle, replay
 from tests.sandbox_fixtures import backend  # noqa: F401 - fixture
-from tests.test_swe_env import env_cache, tokenizer  # noqa: F401 - fixtures
+from tests.test_swe_env import image_cache, tokenizer  # noqa: F401 - fixtures
 
 SUITE = Path(__file__).resolve().parent.parent / "envs" / "example_suite" / "suite.jsonl"
 TASKS = [Task.model_validate(json.loads(line)) for line in SUITE.read_text().splitlines()]
@@ -49,10 +49,10 @@ def write(path: str, text: str) -> dict:
     return {"name": "str_replace_editor", "arguments": {"command": "create", "path": path, "file_text": text}}
 
 
-async def play(calls: list[dict], backend: str, env_cache: Path, tokenizer, task: Task = TASK,
+async def play(calls: list[dict], backend: str, image_cache: Path, tokenizer, task: Task = TASK,
                **env) -> tuple[list, GradingReport]:  # fmt: skip
-    """A scripted policy's episode through the agent loop, then graded: (turns, report)."""
-    cfg = SWEEnvConfig(backend=backend, env_cache_dir=env_cache, **env)
+    """A scripted sampler's episode through the agent loop, then graded: (turns, report)."""
+    cfg = SWEEnvConfig(backend=backend, image_cache_dir=image_cache, **env)
     async with task_sandbox(task, cfg) as sandbox:
         sink = MemoryTurnSink()
         result = await run_episode(replay(tokenizer, [*calls, {"name": "submit", "arguments": {}}]),
@@ -65,7 +65,7 @@ async def play(calls: list[dict], backend: str, env_cache: Path, tokenizer, task
 # -- the answer is not in the repository ------------------------------------------------------
 
 @pytest.mark.slow
-async def test_git_history_holds_no_answer(backend, env_cache, tokenizer):
+async def test_git_history_holds_no_answer(backend, image_cache, tokenizer):
     fixed = subprocess.run(["git", "hash-object", "--stdin"], capture_output=True, text=True, check=True,
                            input=_fixed_file(TASK, "textkit/trunc.py")).stdout.strip()
     turns, report = await play([
@@ -73,7 +73,7 @@ async def test_git_history_holds_no_answer(backend, env_cache, tokenizer):
         bash("git log --all --format=%H | wc -l; git tag; git remote; git reflog | wc -l"),
         bash(f"git cat-file -e {fixed} && echo FIX-FOUND || echo no-fix-object; "
              "git cat-file --batch-all-objects --batch-check | wc -l; git ls-files | wc -l"),
-    ], backend, env_cache, tokenizer)
+    ], backend, image_cache, tokenizer)
     assert report.reward() == 0.0 and report.resolution == "NO"
     history = turns[1].observation.split()
     assert history[:3] == ["1", "swerve-base", "0"], turns[1].observation  # one commit, our tag, no remote
@@ -89,7 +89,7 @@ def test_history_default_follows_the_source():
     assert remote.history_mode() == "ancestors" and TASK.model_copy(update={"history": "ancestors"}).history_mode() == "ancestors"
 
 
-async def test_ancestors_history_keeps_the_past_and_nothing_after(env_cache, tmp_path):
+async def test_ancestors_history_keeps_the_past_and_nothing_after(image_cache, tmp_path):
     """A real repository's history up to base_commit stays (as in SWE-bench); later commits,
     other branches, tags on them, remotes and stashes are gone, objects included."""
     repo = tmp_path / "repo"
@@ -105,8 +105,8 @@ async def test_ancestors_history_keeps_the_past_and_nothing_after(env_cache, tmp
     (repo / "g.txt").write_text("secret-on-another-branch\n")
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "other"], check=True)
-    spec = EnvironmentSpec(source=str(repo), commit=base, start=base, history="ancestors", network=False)
-    root = await prepare_bwrap(spec, env_cache)
+    spec = ImageSpec(source=str(repo), commit=base, start=base, history="ancestors", network=False)
+    root = await prepare_bwrap(spec, image_cache)
     from sandboxes.config import BwrapSandboxConfig
 
     async with open_sandbox(BwrapSandboxConfig(root=root)) as sandbox:
@@ -150,13 +150,13 @@ ATTACKS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attack", list(ATTACKS))
-async def test_gaming_the_grader_earns_nothing(backend, env_cache, tokenizer, attack):
-    _, report = await play(ATTACKS[attack], backend, env_cache, tokenizer)
+async def test_gaming_the_grader_earns_nothing(backend, image_cache, tokenizer, attack):
+    _, report = await play(ATTACKS[attack], backend, image_cache, tokenizer)
     assert report.reward() == 0.0, (attack, report.guards, report.log_tail[-1500:])
     assert report.guards, attack  # each attack is seen, not merely unrewarded
     # a real fix next to the same attack earns 1.0: the guard takes the attack away, not the fix
     if attack != "printed PASSED lines":
-        _, fixed = await play([*ATTACKS[attack], _gold_fix()], backend, env_cache, tokenizer)
+        _, fixed = await play([*ATTACKS[attack], _gold_fix()], backend, image_cache, tokenizer)
         assert fixed.reward() == 1.0 and {g["guard"] for g in fixed.guards} == {"reverted"}, fixed.guards
 
 
@@ -166,17 +166,17 @@ def _gold_fix() -> dict:
         "old_str": "text[: length - len(suffix) - 1]", "new_str": "text[: length - len(suffix)]"}}
 
 
-async def test_reject_mode_gives_no_even_with_a_fix_and_allow_lets_an_author_permit(env_cache, tokenizer):
+async def test_reject_mode_gives_no_even_with_a_fix_and_allow_lets_an_author_permit(image_cache, tokenizer):
     attack = [write("tests/conftest.py", "# harmless\n"), _gold_fix()]
-    _, rejected = await play(attack, "bwrap", env_cache, tokenizer, integrity="reject")
+    _, rejected = await play(attack, "bwrap", image_cache, tokenizer, integrity="reject")
     assert rejected.reward() == 0.0 and rejected.guards == [{"guard": "rejected", "detail": "tests/conftest.py"}]
     allowed = TASK.model_copy(update={"integrity_allow": ["tests/conftest.py"]})
-    _, ok = await play(attack, "bwrap", env_cache, tokenizer, task=allowed, integrity="reject")
+    _, ok = await play(attack, "bwrap", image_cache, tokenizer, task=allowed, integrity="reject")
     assert ok.reward() == 1.0 and ok.guards == []
 
 
-async def test_oracle_fix_trips_no_guard(env_cache, tokenizer):
-    cfg = SWEEnvConfig(backend="bwrap", env_cache_dir=env_cache)
+async def test_oracle_fix_trips_no_guard(image_cache, tokenizer):
+    cfg = SWEEnvConfig(backend="bwrap", image_cache_dir=image_cache)
     async with task_sandbox(TASK, cfg) as sandbox:
         result = await run_episode(oracle(tokenizer, TASK), SWEEnv(TASK, sandbox, cfg),
                                    TokenRenderer(tokenizer, SWEEnv.tools), AgentConfig(), MemoryTurnSink())
@@ -244,8 +244,8 @@ def reached(output: str) -> list[str]:
 
 
 @pytest.mark.slow
-async def test_networked_agent_reaches_out_but_not_the_host(backend, env_cache, tokenizer):
-    cfg = SWEEnvConfig(backend=backend, env_cache_dir=env_cache, limits=SandboxLimits(network=True))
+async def test_networked_agent_reaches_out_but_not_the_host(backend, image_cache, tokenizer):
+    cfg = SWEEnvConfig(backend=backend, image_cache_dir=image_cache, limits=SandboxLimits(network=True))
     async with task_sandbox(TASK, cfg) as sandbox:
         out = (await sandbox.execute(probe(host_targets()), timeout_s=120)).output
         public = (await sandbox.execute("python3 -c \"import urllib.request as u; "
@@ -261,7 +261,7 @@ async def test_networked_agent_reaches_out_but_not_the_host(backend, env_cache, 
 
 
 @pytest.mark.slow
-async def test_build_steps_cannot_reach_the_host_and_leave_nothing_privileged(backend, env_cache, tmp_path):
+async def test_build_steps_cannot_reach_the_host_and_leave_nothing_privileged(backend, image_cache, tmp_path):
     repo = tmp_path / "repo"
     subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], check=True)
     (repo / "README").write_text("x\n")
@@ -272,14 +272,14 @@ async def test_build_steps_cannot_reach_the_host_and_leave_nothing_privileged(ba
     install = (f"( {probe(host_targets())}\n) > probe.txt",
                "cp /bin/bash rootbash && chmod 4755 rootbash && chmod g+s rootbash; ls -ln rootbash > mode.txt",
                "unshare -U true && echo nested-userns-allowed > userns.txt || echo refused > userns.txt")
-    spec = EnvironmentSpec(source=str(repo), commit=commit, install=install, network=True)
+    spec = ImageSpec(source=str(repo), commit=commit, install=install, network=True)
     if backend == "bwrap":
-        root = await prepare_bwrap(spec, env_cache)
+        root = await prepare_bwrap(spec, image_cache)
         probe_out = (root / "probe.txt").read_text()
         made = os.lstat(root / "rootbash")
         assert made.st_uid == host_uid() != 0 and not made.st_mode & 0o6000, oct(made.st_mode)
         assert (root / "userns.txt").read_text().strip() == "refused"
-        assert not os.stat(env_cache).st_mode & 0o077  # the sandboxes' uid cannot reach the cache
+        assert not os.stat(image_cache).st_mode & 0o077  # the sandboxes' uid cannot reach the cache
     else:
         image = await prepare_docker(spec)
         out = subprocess.run(["docker", "run", "--rm", image, "sh", "-c",
@@ -290,8 +290,8 @@ async def test_build_steps_cannot_reach_the_host_and_leave_nothing_privileged(ba
     assert not reached(probe_out) and len(probe_out.splitlines()) == len(host_targets()), probe_out
 
 
-async def test_sandboxed_processes_run_as_an_unprivileged_host_uid(env_cache):
-    cfg = SWEEnvConfig(backend="bwrap", env_cache_dir=env_cache)
+async def test_sandboxed_processes_run_as_an_unprivileged_host_uid(image_cache):
+    cfg = SWEEnvConfig(backend="bwrap", image_cache_dir=image_cache)
     async with open_sandbox(await sandbox_config(TASK, cfg)) as sandbox:
         inside = (await sandbox.execute("id -u; sleep 30 & echo $!")).output.split()
         for _ in range(50):  # the forked shell becomes `sleep` when it execs

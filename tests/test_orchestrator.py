@@ -38,11 +38,11 @@ async def make_suite(engine, n_tasks: int = 3) -> uuid.UUID:
     return suite_id
 
 
-async def make_run(engine, policy: str = "vllm", **overrides) -> uuid.UUID:
+async def make_run(engine, sampler: str = "vllm", **overrides) -> uuid.UUID:
     suite_id = await make_suite(engine)
-    pol = {"type": "vllm", "endpoints": ["http://127.0.0.1:9"], "tokenizer": "/nonexistent"} if policy == "vllm" \
+    pol = {"type": "vllm", "endpoints": ["http://127.0.0.1:9"], "tokenizer": "/nonexistent"} if sampler == "vllm" \
         else {"type": "oracle", "tokenizer": "/nonexistent"}
-    cfg = RunConfig.model_validate({"suite_id": suite_id, "policy": pol, "samples_per_task": 2,
+    cfg = RunConfig.model_validate({"suite_id": suite_id, "sampler": pol, "samples_per_task": 2,
                                     "concurrency": 100} | overrides)
     return await create_run(engine, cfg)
 
@@ -65,7 +65,7 @@ async def publish(engine, *versions: int) -> None:
 
 
 async def test_one_owner_per_run_and_takeover_after_the_lease(engine):
-    run_id = await make_run(engine, policy="oracle")
+    run_id = await make_run(engine, sampler="oracle")
     cfg = await config(engine, run_id)
     sent_a, sent_b = [], []
     assert await _tick(engine, run_id, cfg, sent_a.append, "a", 15.0, None) is None
@@ -85,7 +85,7 @@ async def test_one_owner_per_run_and_takeover_after_the_lease(engine):
 
 
 async def test_supervisor_takes_over_orphaned_runs_and_releases_on_close(engine):
-    run_id = await make_run(engine, policy="oracle")
+    run_id = await make_run(engine, sampler="oracle")
     async with engine.begin() as conn:
         await conn.execute(sa.update(Run).values(owner="dead:1:x", owner_heartbeat_at=utcnow() - timedelta(seconds=60)))
     sent = []
@@ -153,7 +153,7 @@ async def test_groups_per_step_bounds_the_backlog(engine):
 
 
 async def test_scripted_runs_are_never_gated(engine):
-    run_id = await make_run(engine, policy="oracle", max_off_policy_steps=0, groups_per_step=1)
+    run_id = await make_run(engine, sampler="oracle", max_off_policy_steps=0, groups_per_step=1)
     await publish(engine, 0, 1, 2)
     sent = []
     await _tick(engine, run_id, await config(engine, run_id), sent.append, "o", 15.0, fleet_version=None)
@@ -167,7 +167,7 @@ def turn(idx: int) -> TurnRecord:
 
 
 async def test_a_zombie_attempt_can_write_nothing(engine):
-    run_id = await make_run(engine, policy="oracle")
+    run_id = await make_run(engine, sampler="oracle")
     async with engine.begin() as conn:
         episode_id = await conn.scalar(sa.select(Episode.id).where(Episode.run_id == run_id).limit(1))
         await conn.execute(sa.update(Episode).where(Episode.id == episode_id).values(status="queued"))
@@ -195,7 +195,7 @@ async def test_a_zombie_attempt_can_write_nothing(engine):
 
 
 async def test_lost_workers_episodes_go_back_to_queued_as_a_new_attempt(engine):
-    run_id = await make_run(engine, policy="oracle", worker_timeout_s=5)
+    run_id = await make_run(engine, sampler="oracle", worker_timeout_s=5)
     cfg = await config(engine, run_id)
     sent = []
     await _tick(engine, run_id, cfg, sent.append, "o", 15.0, None)

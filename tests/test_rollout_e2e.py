@@ -71,10 +71,10 @@ async def test_oracle_run_through_api_redis_worker_and_postgres(worker, tmp_path
     async with client_for(settings) as client:
         suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
                                    headers={"Content-Type": "application/x-ndjson", **auth()})).json()
-        bad = await client.post("/api/v1/runs", headers=auth(), json={"suite_id": suite["id"], "policy": {"type": "gpt"}})
-        assert bad.status_code == 422 and "policy" in str(bad.json())
+        bad = await client.post("/api/v1/runs", headers=auth(), json={"suite_id": suite["id"], "sampler": {"type": "gpt"}})
+        assert bad.status_code == 422 and "sampler" in str(bad.json())
         run = await client.post("/api/v1/runs", headers=auth(), json={
-            "suite_id": suite["id"], "policy": {"type": "oracle", "tokenizer": str(tokenizer)},
+            "suite_id": suite["id"], "sampler": {"type": "oracle", "tokenizer": str(tokenizer)},
             "samples_per_task": 2, "concurrency": 4})
         assert run.status_code == 201, run.text
         run_id = run.json()["id"]
@@ -125,7 +125,7 @@ async def test_cancel_stops_running_episodes_and_their_sandboxes(worker, tmp_pat
         suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
                                    headers={"Content-Type": "application/x-ndjson", **auth()})).json()
         run_id = (await client.post("/api/v1/runs", headers=auth(), json={
-            "suite_id": suite["id"], "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
+            "suite_id": suite["id"], "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
             "samples_per_task": 2, "concurrency": 3})).json()["id"]
         for _ in range(240):  # wait until episodes are inside their sleep
             if len(host_processes_with("sleep 31.5")) >= 2:
@@ -172,7 +172,7 @@ async def test_sigkilled_worker_loses_nothing(migrated_pg_url, tmp_path):
             suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
                                        headers={"Content-Type": "application/x-ndjson", **auth()})).json()
             run_id = (await client.post("/api/v1/runs", headers=auth(), json={
-                "suite_id": suite["id"], "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
+                "suite_id": suite["id"], "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
                 "samples_per_task": 1, "concurrency": 2, "worker_timeout_s": 4})).json()["id"]
             for _ in range(240):
                 if len(host_processes_with("sleep 4.5")) >= 2:
@@ -244,7 +244,7 @@ async def test_tiny_model_run_on_vllm_records_the_context_it_sampled(worker, vll
                                    headers={"Content-Type": "application/x-ndjson", **auth()})).json()
         run = await client.post("/api/v1/runs", headers=auth(), json={
             "suite_id": suite["id"], "samples_per_task": 2, "concurrency": 4,
-            "policy": {"type": "vllm", "endpoints": [url], "model": "tiny", "tokenizer": str(model_dir)},
+            "sampler": {"type": "vllm", "endpoints": [url], "model": "tiny", "tokenizer": str(model_dir)},
             "agent": {"max_turns": 4, "sampling": {"max_tokens": 48}}})
         assert run.status_code == 201, run.text
         state = await wait_for_run(client, run.json()["id"], log=data_dir / "worker.log")
@@ -256,12 +256,12 @@ async def test_tiny_model_run_on_vllm_records_the_context_it_sampled(worker, vll
 
 
 async def replay_run(client, tokenizer: Path, calls: list[dict]) -> str:
-    """A run of the example suite's first task with the replay policy; its id."""
+    """A run of the example suite's first task with the replay sampler; its id."""
     body = SUITE.read_text().splitlines()[0] + "\n"
     suite = (await client.post("/api/v1/suites", params={"name": f"ex-{uuid.uuid4().hex[:6]}"}, content=body,
                                headers={"Content-Type": "application/x-ndjson", **auth()})).json()
     run = await client.post("/api/v1/runs", headers=auth(), json={
-        "suite_id": suite["id"], "policy": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
+        "suite_id": suite["id"], "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls},
         "samples_per_task": 1, "concurrency": 1})
     assert run.status_code == 201, run.text
     return run.json()["id"]

@@ -1,4 +1,4 @@
-"""The SWE environment end to end on real sandboxes: the oracle policy earns 1.0 and the empty
+"""The SWE environment end to end on real sandboxes: the oracle sampler earns 1.0 and the empty
 patch 0.0 on every example task, on both backends; tools answer bad calls with observations."""
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ def tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def env_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("envs")
+def image_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("images")
 
 
-def config(backend: str, env_cache: Path) -> SWEEnvConfig:
-    return SWEEnvConfig(backend=backend, env_cache_dir=env_cache)
+def config(backend: str, image_cache: Path) -> SWEEnvConfig:
+    return SWEEnvConfig(backend=backend, image_cache_dir=image_cache)
 
 
 def test_example_suite_has_twenty_tasks_over_several_repositories():
@@ -41,8 +41,8 @@ def test_example_suite_has_twenty_tasks_over_several_repositories():
     assert all(t.patch and t.test_patch and t.FAIL_TO_PASS for t in TASKS)
 
 
-async def test_oracle_earns_one_and_empty_patch_zero_on_every_task(backend, env_cache, tokenizer):
-    cfg = config(backend, env_cache)
+async def test_oracle_earns_one_and_empty_patch_zero_on_every_task(backend, image_cache, tokenizer):
+    cfg = config(backend, image_cache)
     renderer = TokenRenderer(tokenizer, SWEEnv.tools)
     for task in TASKS:
         async with task_sandbox(task, cfg) as sandbox:
@@ -55,33 +55,33 @@ async def test_oracle_earns_one_and_empty_patch_zero_on_every_task(backend, env_
         assert empty.reward() == 0.0 and empty.fail_to_pass["success"] == [], task.instance_id
 
 
-async def test_agent_cannot_see_the_hidden_tests(env_cache):
+async def test_agent_cannot_see_the_hidden_tests(image_cache):
     task = TASKS[0]
-    cfg = config("bwrap", env_cache)
+    cfg = config("bwrap", image_cache)
     async with task_sandbox(task, cfg) as sandbox:
         listing = await sandbox.execute("ls tests; git log --all --oneline | wc -l; grep -r test_truncate_uses . || true")
     assert "test_issue" not in listing.output
     assert "test_truncate_uses_the_whole_length" not in listing.output
 
 
-async def test_patch_that_does_not_apply_is_a_reward_error_not_zero(env_cache):
+async def test_patch_that_does_not_apply_is_a_reward_error_not_zero(image_cache):
     task = TASKS[0]
     bad = "diff --git a/nothing.py b/nothing.py\n--- a/nothing.py\n+++ b/nothing.py\n@@ -1 +1 @@\n-x\n+y\n"
     with pytest.raises(RewardError, match="does not apply"):
-        await grade(task, bad, config("bwrap", env_cache))
+        await grade(task, bad, config("bwrap", image_cache))
 
 
-async def test_hidden_tests_past_their_limit_are_a_test_timeout_not_the_agents_timeout(env_cache):
+async def test_hidden_tests_past_their_limit_are_a_test_timeout_not_the_agents_timeout(image_cache):
     task = TASKS[0].model_copy(update={"test_cmd": "sleep 30"})
-    cfg = config("bwrap", env_cache).model_copy(update={"test_timeout_s": 1.0})
+    cfg = config("bwrap", image_cache).model_copy(update={"test_timeout_s": 1.0})
     with pytest.raises(RewardError, match="did not finish within 1.0 s") as caught:
         await grade(task, "", cfg)
     assert caught.value.kind == "test_timeout"
 
 
-async def test_new_and_binary_files_are_in_the_diff(env_cache, tokenizer):
+async def test_new_and_binary_files_are_in_the_diff(image_cache, tokenizer):
     task = TASKS[0]
-    cfg = config("bwrap", env_cache)
+    cfg = config("bwrap", image_cache)
     async with task_sandbox(task, cfg) as sandbox:
         env = SWEEnv(task, sandbox, cfg)
         await sandbox.execute("echo 'new' > added.txt && printf '\\x00\\x01\\x02' > blob.bin")
@@ -106,9 +106,9 @@ BAD_CALLS = {
 }
 
 
-async def test_bad_tool_calls_get_clear_observations(env_cache):
+async def test_bad_tool_calls_get_clear_observations(image_cache):
     task = TASKS[0]
-    cfg = config("bwrap", env_cache)
+    cfg = config("bwrap", image_cache)
     async with task_sandbox(task, cfg) as sandbox:
         await sandbox.execute("printf '\\x00\\x01binary' > /tmp/b.bin && head -c 10000000 /dev/zero | tr '\\0' x > /tmp/big.txt")
         env = SWEEnv(task, sandbox, cfg)
@@ -118,9 +118,9 @@ async def test_bad_tool_calls_get_clear_observations(env_cache):
             assert len(step.observation) <= cfg.max_observation_chars + 100, name
 
 
-async def test_editor_edits_and_undo(env_cache):
+async def test_editor_edits_and_undo(image_cache):
     task = TASKS[0]
-    cfg = config("bwrap", env_cache)
+    cfg = config("bwrap", image_cache)
 
     def call(**arguments) -> str:
         return "<tool_call>\n" + json.dumps({"name": "str_replace_editor", "arguments": arguments}) + "\n</tool_call>"
@@ -139,9 +139,9 @@ async def test_editor_edits_and_undo(env_cache):
         assert "textkit/trunc.py" in listing.observation
 
 
-async def test_replay_policy_runs_recorded_calls(env_cache, tokenizer):
+async def test_replay_policy_runs_recorded_calls(image_cache, tokenizer):
     task = TASKS[0]
-    cfg = config("bwrap", env_cache)
+    cfg = config("bwrap", image_cache)
     calls = [{"name": "bash", "arguments": {"command": "cd textkit && pwd"}},
              {"name": "bash", "arguments": {"command": "pwd"}}, {"name": "submit", "arguments": {}}]
     async with task_sandbox(task, cfg) as sandbox:

@@ -53,10 +53,10 @@ def service(tmp_path_factory, vllm_fleet):
                                 headers={"Content-Type": "application/x-ndjson"}).json()
             tokenizer = init_tiny(tmp / "tiny")
             oracle = client.post("/api/v1/runs", json={"suite_id": suite["id"], "name": "oracle", "samples_per_task": 2,
-                                                       "policy": {"type": "oracle", "tokenizer": str(tokenizer)}}).json()
+                                                       "sampler": {"type": "oracle", "tokenizer": str(tokenizer)}}).json()
             model = client.post("/api/v1/runs", json={
                 "suite_id": suite["id"], "name": "tiny model", "samples_per_task": 2,
-                "policy": {"type": "vllm", "endpoints": [vllm_fleet.url("dense-a")], "model": "tiny",
+                "sampler": {"type": "vllm", "endpoints": [vllm_fleet.url("dense-a")], "model": "tiny",
                            "tokenizer": str(vllm_fleet.models["dense"])},
                 "agent": {"max_turns": 3, "sampling": {"max_tokens": 32}}}).json()
             assert wait_run(client, oracle["id"])["status"] == "finished"
@@ -193,7 +193,7 @@ def test_progress_arrives_live(service, browser):
     client = service["client"]
     calls = [{"name": "bash", "arguments": {"command": "sleep 1.5"}}] * 3
     run = client.post("/api/v1/runs", json={"suite_id": service["suite"], "name": "live", "samples_per_task": 1,
-                                            "policy": {"type": "replay", "tokenizer": str(service["tokenizer"]),
+                                            "sampler": {"type": "replay", "tokenizer": str(service["tokenizer"]),
                                                        "calls": calls}}).json()
     p = Page(browser, service["url"])
     page = p.open("/")

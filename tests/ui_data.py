@@ -29,7 +29,7 @@ async def hostile_run(engine, n_turns: int = 3) -> tuple[uuid.UUID, list[uuid.UU
             "test_patch": "", "fail_to_pass": [f"tests/test_x.py::test_{XSS[:30]}"], "pass_to_pass": [],
             "log_parser": "pytest"} for i in range(2)])
     cfg = RunConfig.model_validate({"suite_id": suite_id, "name": f"run {XSS}", "samples_per_task": 2,
-                                    "policy": {"type": "oracle", "tokenizer": "/nonexistent"}})
+                                    "sampler": {"type": "oracle", "tokenizer": "/nonexistent"}})
     run_id = await create_run(engine, cfg)
     buffer = Buffer(engine)
     async with engine.connect() as conn:

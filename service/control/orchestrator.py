@@ -39,8 +39,8 @@ class FleetVersion:
     """The policy version a new episode of a vLLM run would be sampled with (oldest served)."""
 
     def __init__(self, cfg: RunConfig):
-        self.fleet_cfg = (FleetConfig(endpoints=cfg.policy.endpoints, model=cfg.policy.model, max_retries=0)
-                          if cfg.policy.type == "vllm" else None)  # fmt: skip
+        self.fleet_cfg = (FleetConfig(endpoints=cfg.sampler.endpoints, model=cfg.sampler.model, max_retries=0)
+                          if cfg.sampler.type == "vllm" else None)  # fmt: skip
         self.client: VLLMClient | None = None
 
     async def get(self) -> int | None:
@@ -147,8 +147,8 @@ async def _gate(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig,
     serves a version more than max_off_policy_steps behind it, and, with `groups_per_step`
     set, beyond (max_off_policy_steps + 1) x groups_per_step of the run's groups started and
     not yet trained on (a group started later would be consumed too many steps from now)."""
-    if cfg.policy.type != "vllm":
-        return None, None  # scripted policies sample nothing to be off-policy from
+    if cfg.sampler.type != "vllm":
+        return None, None  # scripted samplers sample nothing to be off-policy from
     trainer = await conn.scalar(sa.select(sa.func.max(Policy.version))) or 0
     if fleet_version is not None and trainer - fleet_version > cfg.max_off_policy_steps:
         return (f"fleet serves policy version {fleet_version}, trainer is at {trainer} "

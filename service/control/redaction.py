@@ -17,7 +17,7 @@ TURN_ANSWERS = ("text", "tool_call", "observation",
 
 def is_oracle(run_config: dict) -> bool:
     """Whether a run's episodes are the gold patch applied through the tools."""
-    return (run_config.get("policy") or {}).get("type") == "oracle"
+    return (run_config.get("sampler") or {}).get("type") == "oracle"
 
 
 def _withhold(obj: dict, fields) -> dict:

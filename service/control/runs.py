@@ -39,5 +39,5 @@ async def create_run(engine: AsyncEngine, cfg: RunConfig) -> uuid.UUID:
         await Buffer.create_run(conn, run_id, suite_id=cfg.suite_id, name=cfg.name,
                                 config=json.loads(cfg.model_dump_json()), config_hash=cfg.hash(),
                                 task_ids=[t.id for t in tasks], samples=cfg.samples_per_task,
-                                trainable=cfg.policy.type == "vllm")
+                                trainable=cfg.sampler.type == "vllm")
     return run_id

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def env_config(settings: Settings) -> SWEEnvConfig:
-    return SWEEnvConfig(env_cache_dir=settings.data_dir / "envs",
+    return SWEEnvConfig(image_cache_dir=settings.data_dir / "images",
                         bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
 
 

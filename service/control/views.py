@@ -165,7 +165,7 @@ async def turn_tokens(session: AsyncSession, answers: Answers, episode_id: uuid.
         raise NotFound(f"episode {episode_id} has no turn {turn}")
     if answers.hides_turns(is_oracle(row.config)):
         return {"turn": turn, "tokens": [], "redacted": ["tokens"]}
-    tokenizer_dir = (row.config.get("policy") or {}).get("tokenizer")
+    tokenizer_dir = (row.config.get("sampler") or {}).get("tokenizer")
     try:
         tok = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - any loading failure: say which folder

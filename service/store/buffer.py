@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.store.records import TurnRecord, decode_array, encode_ids, encode_logprobs, encode_routed_experts
 from service.store.tables import Episode, Group, Policy, Run, Turn, utcnow
-from service.store.status import EPISODE_FINAL, RUN_ACTIVE
+from service.store.status import EPISODE_FINAL, RUN_ACTIVE, EpisodeStatus, RunStatus
 
 
 class Superseded(Exception):
@@ -86,6 +86,10 @@ def _refusals(what: str) -> Iterator[None]:
         raise StorageError(f"the database refused {what}: {type(e.orig).__name__}: {reason}") from e
 
 
+GIVEN_BACK = {"status": "ready", "claim_id": None, "claim_expires_at": None, "claimed_by": None}
+"""A group given back to the buffer (released, its owner gone, or un-consumed by a rewind)."""
+
+
 @dataclass(frozen=True)
 class Claim:
     id: uuid.UUID
@@ -98,7 +102,7 @@ class Claim:
 class EpisodeData:
     id: uuid.UUID
     sample_index: int
-    status: str
+    status: EpisodeStatus
     reward: float | None
     policy_version_min: int | None
     turns: list[TurnRecord] = field(default_factory=list)
@@ -304,14 +308,14 @@ class Buffer:
             back = await conn.execute(
                 sa.update(Group).where(Group.status == "claimed", Group.claimed_by == owner,
                                        *([Group.run_id == run_id] if run_id else []))
-                .values(status="ready", claim_id=None, claim_expires_at=None, claimed_by=None))
+                .values(**GIVEN_BACK))
         return back.rowcount
 
     async def release(self, claim: Claim) -> None:
         """Give the claim's groups back (a step that failed before committing)."""
         async with self.engine.begin() as conn:
             await conn.execute(sa.update(Group).where(Group.claim_id == claim.id, Group.status == "claimed")
-                               .values(status="ready", claim_id=None, claim_expires_at=None))
+                               .values(**GIVEN_BACK))
 
     async def load(self, claim: Claim) -> list[GroupData]:
         """The claimed groups with their episodes and decoded turns."""
@@ -366,7 +370,7 @@ class Buffer:
         await conn.execute(sa.update(Episode).where(Episode.id.in_(episode_ids)).values(queued_at=utcnow()))
 
     @staticmethod
-    async def start_attempt(conn: AsyncConnection, episode_id: uuid.UUID, *, seen_status: str,
+    async def start_attempt(conn: AsyncConnection, episode_id: uuid.UUID, *, seen_status: EpisodeStatus,
                             seen_attempt: int) -> int | None:  # fmt: skip
         """A worker takes the episode as it saw it (queued, or running under a dead worker: then
         as the next attempt, whose predecessor's turns go). The new attempt, or None if another
@@ -417,7 +421,7 @@ class Buffer:
         await conn.execute(sa.update(Run).where(Run.id == run_id).values(gate=gate))
 
     @staticmethod
-    async def finish_run(conn: AsyncConnection, run_id: uuid.UUID, status: str) -> None:
+    async def finish_run(conn: AsyncConnection, run_id: uuid.UUID, status: RunStatus) -> None:
         """The run ends (finished, cancelled or failed) and nobody owns it any more."""
         await conn.execute(sa.update(Run).where(Run.id == run_id).values(
             status=status, finished_at=utcnow(), owner=None, gate=None))
@@ -454,8 +458,7 @@ class Buffer:
         async with self.engine.begin() as conn:
             undone = sa.update(Group).where(Group.status == "consumed", Group.trainer_step > step,
                                             *([Group.run_id == run_id] if run_id is not None else []))
-            back = await conn.execute(undone.values(status="ready", claim_id=None, claim_expires_at=None,
-                                                    consumed_at=None, trainer_step=None, claimed_by=None))
+            back = await conn.execute(undone.values(**GIVEN_BACK, consumed_at=None, trainer_step=None))
             withdrawn = await conn.execute(sa.delete(Policy).where(Policy.version > step))
         return back.rowcount, withdrawn.rowcount
 

@@ -179,7 +179,7 @@ class Episode(Base):
     attempt: Mapped[int] = mapped_column(default=0)
     """How many times the episode was (re)started after a lost worker."""
     trainable: Mapped[bool] = mapped_column(default=True)
-    """False for scripted policies and chat-endpoint runs (no sampled token ids)."""
+    """False for scripted samplers and chat-endpoint runs (no sampled token ids)."""
     reward: Mapped[float | None] = mapped_column(sa.Float)
     """NULL when grading did not happen or failed; never 0.0 for a harness failure."""
     report: Mapped[dict | None] = mapped_column(JSONType)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,7 +37,7 @@ class AgentConfig(BaseModel):
 
 
 class LimitsExceeded(Exception):
-    def __init__(self, status: str):
+    def __init__(self, status: EpisodeStatus):
         self.status = status
         super().__init__(status)
 
@@ -59,7 +59,8 @@ def failure_status(error: Exception) -> EpisodeStatus:
 
 @dataclass
 class EpisodeResult:
-    status: str
+    status: EpisodeStatus | Literal["superseded"]
+    """Final when the loop returns; "superseded" when a newer attempt took the episode over."""
     n_turns: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
@@ -131,7 +132,7 @@ class TokenRenderer:
         return self.encode(self._text(messages, generation=True, tools=self.tools))
 
 
-async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg: AgentConfig,
+async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cfg: AgentConfig,
                       sink: TurnSink, *, session: str | None = None) -> EpisodeResult:
     """Run one episode to a final status. Failures of the sandbox, fleet or store end it as data."""
     messages = env.first_messages()
@@ -148,7 +149,7 @@ async def run_episode(policy: InferenceClient, env, renderer: TokenRenderer, cfg
                     raise LimitsExceeded("timeout")
                 sampling = _fit(cfg, len(context))
                 started = time.monotonic()
-                gen = await policy.generate(context, sampling, session=session)
+                gen = await sampler.generate(context, sampling, session=session)
                 generated = time.monotonic()
                 text = renderer.decode([t for t in gen.output_ids if t != renderer.eos_id])
                 step = await env.step(text)
@@ -214,5 +215,5 @@ def _none_low(v: int | None) -> float:
     return float("-inf") if v is None else v
 
 
-def _failed(result: EpisodeResult, status: str, error: Exception) -> None:
+def _failed(result: EpisodeResult, status: EpisodeStatus, error: Exception) -> None:
     result.status, result.error_type, result.error_message = status, type(error).__name__, str(error)

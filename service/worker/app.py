@@ -6,6 +6,7 @@ Tasks carry ids only; trajectories go straight to the database, never through th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from celery import Celery
 from kombu.transport import redis as kombu_redis
@@ -70,3 +71,13 @@ def make_celery(settings: Settings | None = None) -> Celery:
 
 
 app = make_celery()
+
+
+def episode_sender(celery: Celery) -> Callable[[str], None]:
+    """What the orchestrator calls to hand an episode id to the workers (the `swerve.episode` task)."""
+
+    def send(episode_id: str) -> None:
+        celery.send_task("swerve.episode", args=[episode_id], queue="swerve")
+
+    return send
+

@@ -15,7 +15,7 @@ from sandboxes.base import SandboxLimits
 from service.worker.agent import AgentConfig
 
 
-class OraclePolicyConfig(BaseModel):
+class OracleSamplerConfig(BaseModel):
     """Scripted: applies each task's gold patch through the tools (harness checks; not trainable)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -24,7 +24,7 @@ class OraclePolicyConfig(BaseModel):
     """Model folder whose tokenizer and chat template render the episode."""
 
 
-class VLLMPolicyConfig(BaseModel):
+class VLLMSamplerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["vllm"] = "vllm"
     endpoints: list[str] = Field(min_length=1)
@@ -35,7 +35,7 @@ class VLLMPolicyConfig(BaseModel):
     """Model folder with the tokenizer and chat template the servers use."""
 
 
-class ReplayPolicyConfig(BaseModel):
+class ReplaySamplerConfig(BaseModel):
     """Scripted: replays the same tool calls on every task (pipeline checks, load tests)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -47,7 +47,7 @@ class ReplayPolicyConfig(BaseModel):
     """Simulated model latency per call (s)."""
 
 
-PolicyConfig = Annotated[OraclePolicyConfig | VLLMPolicyConfig | ReplayPolicyConfig, Field(discriminator="type")]
+SamplerConfig = Annotated[OracleSamplerConfig | VLLMSamplerConfig | ReplaySamplerConfig, Field(discriminator="type")]
 
 
 class RunConfig(BaseModel):
@@ -55,7 +55,8 @@ class RunConfig(BaseModel):
 
     suite_id: uuid.UUID
     name: str | None = Field(None, max_length=200)
-    policy: PolicyConfig
+    sampler: SamplerConfig
+    """What samples the episodes: the vLLM fleet (trainable) or a scripted sampler (not)."""
     samples_per_task: int = Field(1, ge=1, le=1024)
     """Group size: episodes per task (GRPO-style advantages are computed within a group)."""
     agent: AgentConfig = AgentConfig()

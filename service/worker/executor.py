@@ -109,7 +109,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
         return "cancelled"
     task = task_from_row(task_row)
     env_cfg = SWEEnvConfig(backend=cfg.backend, limits=cfg.limits, integrity=cfg.integrity,
-                           env_cache_dir=settings.data_dir / "envs",
+                           image_cache_dir=settings.data_dir / "images",
                            bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
     result, fields = EpisodeResult(status="sandbox_error"), {}
     try:
@@ -143,7 +143,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
         await db_retry(lambda: buffer.finish_episode(
             episode_id, attempt=attempt, status=result.status, error_type=type(e).__name__, error_message=str(e),
             **counts), f"end of episode {episode_id}")
-    logger.info("episode finished", extra={"rollout_id": str(episode_id), "task_id": task.instance_id,
+    logger.info("episode finished", extra={"episode_id": str(episode_id), "task_id": task.instance_id,
                                            "status": result.status, "reward": fields.get("reward")})
     return result.status
 
@@ -225,17 +225,17 @@ class Heartbeat:
 
 async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID,
                attempt: int) -> EpisodeResult:  # fmt: skip
-    tokenizer = load_tokenizer(str(cfg.policy.tokenizer))
+    tokenizer = load_tokenizer(str(cfg.sampler.tokenizer))
     renderer = TokenRenderer(tokenizer, SWEEnv.tools)
     sink = DbTurnSink(buffer, episode_id, attempt)
     async with task_sandbox(task, env_cfg, episode=str(episode_id)) as sandbox:
         env = SWEEnv(task, sandbox, env_cfg)
-        if cfg.policy.type == "oracle":
+        if cfg.sampler.type == "oracle":
             return await run_episode(oracle(tokenizer, task), env, renderer, cfg.agent, sink)
-        if cfg.policy.type == "replay":
-            policy = replay(tokenizer, cfg.policy.calls, cfg.policy.latency_s)
-            return await run_episode(policy, env, renderer, cfg.agent, sink)
-        fleet = await shared_fleet(FleetConfig(endpoints=cfg.policy.endpoints, model=cfg.policy.model))
+        if cfg.sampler.type == "replay":
+            sampler = replay(tokenizer, cfg.sampler.calls, cfg.sampler.latency_s)
+            return await run_episode(sampler, env, renderer, cfg.agent, sink)
+        fleet = await shared_fleet(FleetConfig(endpoints=cfg.sampler.endpoints, model=cfg.sampler.model))
         try:
             return await run_episode(fleet, env, renderer, cfg.agent, sink, session=str(episode_id))
         finally:

@@ -1,4 +1,4 @@
-"""Scripted policies for harness and pipeline checks: `oracle` (applies the gold patch through
+"""Scripted samplers for harness and pipeline checks: `oracle` (applies the gold patch through
 the editor and bash tools, then submits) and `replay` (replays recorded tool calls). They go
 through the same loop and token path as a model, with the model's tokenizer, and are never
 trainable: their "samples" are the tokenizer's own encoding with logprob 0.
@@ -19,7 +19,7 @@ def tool_call_text(name: str, arguments: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-class ScriptedPolicy:
+class ScriptedSampler:
     """Answers each call with the next scripted action, then keeps submitting."""
 
     def __init__(self, tokenizer, actions: list[str], name: str = "replay", latency_s: float = 0.0):
@@ -41,7 +41,7 @@ class ScriptedPolicy:
 
 def oracle_actions(task: Task) -> list[str]:
     if not task.patch:
-        raise ValueError(f"{task.instance_id} has no gold patch; the oracle policy needs one")
+        raise ValueError(f"{task.instance_id} has no gold patch; the oracle sampler needs one")
     return [
         tool_call_text("str_replace_editor", {"command": "create", "path": GOLD_PATH, "file_text": task.patch}),
         tool_call_text("bash", {"command": f"git apply --whitespace=nowarn {GOLD_PATH} && rm {GOLD_PATH} && git status --short"}),
@@ -49,11 +49,11 @@ def oracle_actions(task: Task) -> list[str]:
     ]
 
 
-def oracle(tokenizer, task: Task) -> ScriptedPolicy:
-    return ScriptedPolicy(tokenizer, oracle_actions(task), name="oracle")
+def oracle(tokenizer, task: Task) -> ScriptedSampler:
+    return ScriptedSampler(tokenizer, oracle_actions(task), name="oracle")
 
 
-def replay(tokenizer, calls: list[dict], latency_s: float = 0.0) -> ScriptedPolicy:
+def replay(tokenizer, calls: list[dict], latency_s: float = 0.0) -> ScriptedSampler:
     """calls: [{"name": ..., "arguments": {...}}, ...] as recorded on turns."""
-    return ScriptedPolicy(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls],
+    return ScriptedSampler(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls],
                           latency_s=latency_s)

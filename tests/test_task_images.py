@@ -14,7 +14,7 @@ import pytest
 
 from sandboxes.base import open_sandbox
 from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
-from sandboxes.environments import EnvironmentBuildError, EnvironmentSpec, prepare_bwrap, prepare_docker
+from sandboxes.task_images import ImageBuildError, ImageSpec, prepare_bwrap, prepare_docker
 from sandboxes.reaper import reap_local
 from tests.sandbox_fixtures import backend, require_bwrap  # noqa: F401 - fixture
 
@@ -35,7 +35,7 @@ def git_repo(path: Path) -> tuple[str, str]:
     return first, run("git", "rev-parse", "HEAD")
 
 
-async def prepare(backend: str, spec: EnvironmentSpec, cache: Path):
+async def prepare(backend: str, spec: ImageSpec, cache: Path):
     if backend == "bwrap":
         return BwrapSandboxConfig(root=await prepare_bwrap(spec, cache), state_dir=cache / "sb")
     return DockerSandboxConfig(image=await prepare_docker(spec))
@@ -43,9 +43,9 @@ async def prepare(backend: str, spec: EnvironmentSpec, cache: Path):
 
 async def test_environment_is_built_once_and_shared_copy_on_write(backend, tmp_path):
     first, _ = git_repo(tmp_path / "repo")
-    spec = EnvironmentSpec(source=str(tmp_path / "repo"), commit=first,
+    spec = ImageSpec(source=str(tmp_path / "repo"), commit=first,
                            install=(f"echo build >> builds.txt; python3 -m venv .venv; echo {tmp_path.name}",))
-    configs = await asyncio.gather(*(prepare(backend, spec, tmp_path / "envs") for _ in range(3)))
+    configs = await asyncio.gather(*(prepare(backend, spec, tmp_path / "images") for _ in range(3)))
     assert len({c.root if backend == "bwrap" else c.image for c in configs}) == 1
     async with open_sandbox(configs[0]) as a, open_sandbox(configs[1]) as b:
         r = await a.execute("cat builds.txt lib.py; git log --oneline | wc -l; .venv/bin/python -c 'print(3)'")
@@ -58,28 +58,28 @@ async def test_environment_is_built_once_and_shared_copy_on_write(backend, tmp_p
 
 async def test_failed_install_names_the_step_and_leaves_nothing(backend, tmp_path):
     first, _ = git_repo(tmp_path / "repo")
-    spec = EnvironmentSpec(source=str(tmp_path / "repo"), commit=first,
+    spec = ImageSpec(source=str(tmp_path / "repo"), commit=first,
                            install=("true", "echo compiling; echo boom >&2; exit 3"))
-    with pytest.raises(EnvironmentBuildError) as info:
-        await prepare(backend, spec, tmp_path / "envs")
+    with pytest.raises(ImageBuildError) as info:
+        await prepare(backend, spec, tmp_path / "images")
     assert "install step 2" in str(info.value) and "boom" in str(info.value)
     if backend == "bwrap":
-        assert [p.name for p in (tmp_path / "envs").iterdir() if not p.name.startswith((".lock", "sb"))] == []
+        assert [p.name for p in (tmp_path / "images").iterdir() if not p.name.startswith((".lock", "sb"))] == []
 
 
 async def test_bad_commit_fails_at_checkout(tmp_path):
     require_bwrap()
     git_repo(tmp_path / "repo")
-    spec = EnvironmentSpec(source=str(tmp_path / "repo"), commit="deadbeef" * 5)
-    with pytest.raises(EnvironmentBuildError, match="checkout"):
-        await prepare_bwrap(spec, tmp_path / "envs")
+    spec = ImageSpec(source=str(tmp_path / "repo"), commit="deadbeef" * 5)
+    with pytest.raises(ImageBuildError, match="checkout"):
+        await prepare_bwrap(spec, tmp_path / "images")
 
 
 BUILDER = r"""
 import asyncio, sys
 from pathlib import Path
-from sandboxes.environments import EnvironmentSpec, prepare_bwrap
-spec = EnvironmentSpec(source=sys.argv[1], commit=sys.argv[2], install=("echo started; sleep 4343.$((2+3))",))
+from sandboxes.task_images import ImageSpec, prepare_bwrap
+spec = ImageSpec(source=sys.argv[1], commit=sys.argv[2], install=("echo started; sleep 4343.$((2+3))",))
 asyncio.run(prepare_bwrap(spec, Path(sys.argv[3])))
 """
 
@@ -89,8 +89,8 @@ def test_builder_killed_mid_build_leaves_nothing_after_the_reaper(tmp_path):
 
     require_bwrap()
     first, _ = git_repo(tmp_path / "repo")
-    envs, state = tmp_path / "envs", tmp_path / "state"
-    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "repo"), first, str(envs)],
+    images, state = tmp_path / "images", tmp_path / "state"
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "repo"), first, str(images)],
                                env={**__import__("os").environ, "SWERVE_SANDBOX_DIR": str(state)})
     for _ in range(200):
         if host_processes_with("4343.5"):
@@ -99,10 +99,10 @@ def test_builder_killed_mid_build_leaves_nothing_after_the_reaper(tmp_path):
     assert host_processes_with("4343.5")
     builder.send_signal(signal.SIGKILL)
     builder.wait()
-    reaped = reap_local(envs) + reap_local(state)
+    reaped = reap_local(images) + reap_local(state)
     assert any(name.startswith(".build-") for name in reaped)
     assert any(name.startswith("swb-") for name in reaped)
-    assert not [p for p in envs.iterdir() if not p.name.startswith(".lock")]
+    assert not [p for p in images.iterdir() if not p.name.startswith(".lock")]
     assert not list(state.iterdir())
     assert host_processes_with("4343.5") == []
 
@@ -113,5 +113,5 @@ async def test_git_bundle_is_a_source(tmp_path):
     bundle = tmp_path / "repo.bundle"
     subprocess.run(["git", "bundle", "create", str(bundle), "--all"], cwd=tmp_path / "repo",
                    check=True, capture_output=True)
-    root = await prepare_bwrap(EnvironmentSpec(source=str(bundle), commit=second), tmp_path / "envs")
+    root = await prepare_bwrap(ImageSpec(source=str(bundle), commit=second), tmp_path / "images")
     assert (root / "lib.py").read_text() == "VALUE = 2\n"

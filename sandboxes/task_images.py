@@ -1,4 +1,4 @@
-"""Task environments, built once per content key and reused copy-on-write by every episode.
+"""Task images, built once per content key and reused copy-on-write by every episode.
 
 bubblewrap: a prepared folder (repository checkout plus whatever `install` made) used as the
 overlay's lower layer. Docker: an image per key, committed from a build container. A build
@@ -31,16 +31,16 @@ BUILD_PREFIX = ".build-"
 PIP_CONFIG_PATHS = ("/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more")
 
 
-class EnvironmentBuildError(SandboxError):
+class ImageBuildError(SandboxError):
     """A build step failed; the message names the step and ends with its log."""
 
     def __init__(self, step: str, log: str):
         self.step, self.log = step, log
-        super().__init__(f"environment build failed at {step}:\n{log[-3000:]}")
+        super().__init__(f"image build failed at {step}:\n{log[-3000:]}")
 
 
 @dataclass(frozen=True)
-class EnvironmentSpec:
+class ImageSpec:
     source: str
     """Where the repository comes from: a git URL, a local path or a git bundle file."""
     commit: str
@@ -114,8 +114,8 @@ class _KeyLock:
         _locks[self.key].release()
 
 
-def checkout(spec: EnvironmentSpec, dest: Path) -> None:
-    """Clone the source into dest and check out the commit. Raises EnvironmentBuildError."""
+def checkout(spec: ImageSpec, dest: Path) -> None:
+    """Clone the source into dest and check out the commit. Raises ImageBuildError."""
     steps = [("clone", ["git", "clone", "--quiet", "--no-checkout", spec.source, str(dest)]),
              ("checkout", ["git", "-C", str(dest), "-c", "advice.detachedHead=false",
                            "checkout", "--quiet", spec.commit])]
@@ -123,28 +123,28 @@ def checkout(spec: EnvironmentSpec, dest: Path) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True,
                               env=os.environ | {"GIT_TERMINAL_PROMPT": "0"})
         if done.returncode != 0:
-            raise EnvironmentBuildError(f"{step} of {spec.source} at {spec.commit}",
+            raise ImageBuildError(f"{step} of {spec.source} at {spec.commit}",
                                         done.stdout + done.stderr)
 
 
-async def _run_install(sandbox, spec: EnvironmentSpec) -> None:
+async def _run_install(sandbox, spec: ImageSpec) -> None:
     for i, command in enumerate(spec.install, 1):
         result = await sandbox.execute(command, timeout_s=spec.build_timeout_s)
         if result.exit_code != 0:
             reason = "timed out" if result.timed_out else f"exit {result.exit_code}"
-            raise EnvironmentBuildError(f"install step {i} ({command!r}, {reason})", result.output)
+            raise ImageBuildError(f"install step {i} ({command!r}, {reason})", result.output)
     await cut_history(sandbox, spec.start or spec.commit, spec.history, spec.build_timeout_s)
 
 
 async def cut_history(sandbox, start: str, history: str, timeout_s: float = 1800.0) -> None:
-    """Run HISTORY_SCRIPT in the sandbox's repository. Raises EnvironmentBuildError."""
+    """Run HISTORY_SCRIPT in the sandbox's repository. Raises ImageBuildError."""
     script = f"START={shlex.quote(start)} MODE={history} BASE={BASE_TAG} bash -c {shlex.quote(HISTORY_SCRIPT)}"
     result = await sandbox.execute(script, timeout_s=timeout_s)
     if result.exit_code != 0:
-        raise EnvironmentBuildError(f"history ({history}) at {start}", result.output)
+        raise ImageBuildError(f"history ({history}) at {start}", result.output)
 
 
-async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:
+async def prepare_bwrap(spec: ImageSpec, cache_dir: Path) -> Path:
     """The prepared folder for spec, building it if needed; use it as BwrapSandboxConfig.root."""
     from sandboxes.config import BwrapSandboxConfig
 
@@ -157,7 +157,7 @@ async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:
             return final
         build = cache_dir / f"{BUILD_PREFIX}{key}-{uuid.uuid4().hex[:8]}"
         build.mkdir(parents=True)
-        cache_dir.chmod(0o700)  # the sandboxes' host uid can never reach a prepared environment
+        cache_dir.chmod(0o700)  # the sandboxes' host uid can never reach a task image
         Owner.me(spec.build_timeout_s + 600, kind="build").write(build)
         try:
             await asyncio.to_thread(checkout, spec, build / "work")
@@ -175,7 +175,7 @@ async def prepare_bwrap(spec: EnvironmentSpec, cache_dir: Path) -> Path:
     return final
 
 
-async def prepare_docker(spec: EnvironmentSpec, client=None) -> str:
+async def prepare_docker(spec: ImageSpec, client=None) -> str:
     """The image for spec (`swerve-env:<key>`), built from the base image if needed."""
     from sandboxes.config import DockerSandboxConfig
     from sandboxes.docker import docker_client
