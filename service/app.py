@@ -63,23 +63,18 @@ def _supervisor(app: FastAPI, settings: Settings):
     return Supervisor(app.state.engine, episode_sender(app.state.celery), lease_s=settings.orchestrator_lease_s)
 
 
+ERROR_STATUS = {UploadTooLarge: 413, NotFound: 404, TokenizerUnavailable: 409, SuiteNameTaken: 409}
+"""The control plane's errors and the HTTP status each answers with ({"detail": message})."""
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SuiteRejected)
     async def _rejected(_: Request, exc: SuiteRejected) -> JSONResponse:
         return JSONResponse(exc.to_json(), status_code=422)
 
-    @app.exception_handler(UploadTooLarge)
-    async def _too_large(_: Request, exc: UploadTooLarge) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=413)
+    async def _detail(_: Request, exc: Exception) -> JSONResponse:
+        status = next(code for error, code in ERROR_STATUS.items() if isinstance(exc, error))
+        return JSONResponse({"detail": str(exc)}, status_code=status)
 
-    @app.exception_handler(NotFound)
-    async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=404)
-
-    @app.exception_handler(TokenizerUnavailable)
-    async def _no_tokenizer(_: Request, exc: TokenizerUnavailable) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
-    @app.exception_handler(SuiteNameTaken)
-    async def _taken(_: Request, exc: SuiteNameTaken) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
+    for error in ERROR_STATUS:
+        app.add_exception_handler(error, _detail)
