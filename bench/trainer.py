@@ -49,15 +49,16 @@ def measure(mode: str, model_dir: str, tokens: int, doc: int, repeats: int) -> d
     from trainer.model import build_model
 
     if mode == "ours":
-        from trainer.train import Trainer, TrainerConfig
+        from trainer.config import TrainerConfig
+        from trainer.train import Trainer
 
         trainer = Trainer(TrainerConfig(model=Path(model_dir), out_dir=Path(tempfile.mkdtemp()),
                                         data={"seq_len": 8192}, device="cpu"))
         groups = groups_for(tokens, doc)
-        trainer.train_step(groups)  # warm-up
+        trainer.train_batch(trainer.prepare(groups))  # warm-up
         started = time.perf_counter()
         for _ in range(repeats):
-            trainer.train_step(groups)
+            trainer.train_batch(trainer.prepare(groups))
     else:
         model, _, _ = build_model(Path(model_dir))
         batch = torch.randint(0, 2000, (tokens // doc, doc + 1), generator=torch.Generator().manual_seed(0))

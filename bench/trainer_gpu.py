@@ -171,13 +171,15 @@ def tiny_golden(models: Path, device) -> dict:
     """The golden step (recorded on CPU: loss 1.5285574197769165, grad norm 3.958608865737915)
     on the GPU with SDPA and with flex attention."""
     from tests.golden import GOLDEN, GOLDEN_CONFIG, golden_group
-    from trainer.train import Trainer, TrainerConfig
+    from trainer.config import TrainerConfig
+    from trainer.train import Trainer
 
     out = {"cpu_loss": GOLDEN["loss"], "cpu_grad_norm": GOLDEN["grad_norm"]}
     for backend in ("sdpa", "flex") if device.type == "cuda" else ("sdpa",):  # flex has no CPU backward
         cfg = TrainerConfig(model=models / "dense", out_dir=Path("/nonexistent"), device=device.type,
                             attn_backend=backend, **GOLDEN_CONFIG)
-        m = Trainer(cfg).train_step([golden_group()])
+        trainer = Trainer(cfg)
+        m = trainer.train_batch(trainer.prepare([golden_group()]))
         out[backend] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "sampled_tokens": m["sampled_tokens"]}
     return out
 

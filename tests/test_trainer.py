@@ -12,11 +12,11 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from service.store import db
-from service.worker.agent import TurnRecord
-from service.store.buffer import Buffer
-from service.store.tables import Episode, Group, Policy
 from service.fleet.tiny_model import TinyModelSpec, init_tiny
+from service.store import db
+from service.store.buffer import Buffer
+from service.store.records import TurnRecord
+from service.store.tables import Episode, Group, Policy
 from tests.conftest import require_torchtitan  # noqa: E402
 from tests.golden import GOLDEN, GOLDEN_CONFIG, golden_group
 from tests.test_orchestrator import make_run
@@ -93,7 +93,7 @@ def sampled_turns(model, n_turns: int, rng: np.random.Generator) -> list[TurnRec
 async def fill_buffer(engine, model, rewards_by_group: list[list[float]], samples: int = 2) -> uuid.UUID:
     """A run of 3 tasks x `samples` episodes whose groups are ready with these rewards; the turns
     are the model's own samples (the same every time for the same model)."""
-    run_id = await make_run(engine, policy="oracle", samples_per_task=samples)
+    run_id = await make_run(engine, sampler="oracle", samples_per_task=samples)
     buffer = Buffer(engine)
     rng = np.random.default_rng(0)
     async with engine.connect() as conn:
@@ -120,8 +120,9 @@ async def engine(db_url):
 async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_url, tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from trainer.config import TrainerConfig
     from trainer.model import build_model
-    from trainer.train import Trainer, TrainerConfig
+    from trainer.train import Trainer
 
     model, _, _ = build_model(tiny["dense"])
     run_id = await fill_buffer(engine, model, [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
@@ -169,10 +170,11 @@ async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_u
 
 def golden_step(tiny_dir: Path) -> dict:
     """One training step of the seed-0 tiny dense model on a fixed hand-made batch."""
-    from trainer.train import Trainer, TrainerConfig
+    from trainer.config import TrainerConfig
+    from trainer.train import Trainer
 
-    cfg = TrainerConfig(model=tiny_dir, out_dir=Path("/nonexistent"), device="cpu", **GOLDEN_CONFIG)
-    return Trainer(cfg).train_step([golden_group()])
+    trainer = Trainer(TrainerConfig(model=tiny_dir, out_dir=Path("/nonexistent"), device="cpu", **GOLDEN_CONFIG))
+    return trainer.train_batch(trainer.prepare([golden_group()]))
 
 
 def test_golden_loss(tiny):
@@ -190,8 +192,9 @@ async def test_a_trainer_killed_after_committing_resumes_without_losing_or_reusi
     equals an uninterrupted run's, weight for weight."""
     from safetensors.torch import load_file
 
+    from trainer.config import TrainerConfig
     from trainer.model import build_model
-    from trainer.train import Trainer, TrainerConfig
+    from trainer.train import Trainer
 
     second = _second_database(db_url, tmp_path)
 
@@ -207,8 +210,7 @@ async def test_a_trainer_killed_after_committing_resumes_without_losing_or_reusi
     await Trainer(cfg_a, engine_a).run()
     engine_b, cfg_b, run_b = await setup("b")
     try:
-        crashing = Trainer(cfg_b.model_copy(update={"steps": 3}), engine_b)
-        crashing.crash_after_commit = 2
+        crashing = crashing_trainer(crash_at=2)(cfg_b.model_copy(update={"steps": 3}), engine_b)
         with pytest.raises(RuntimeError, match="crash injected"):
             await crashing.run()
         async with engine_b.connect() as conn:
@@ -230,6 +232,20 @@ async def test_a_trainer_killed_after_committing_resumes_without_losing_or_reusi
         await engine_a.dispose()
         await engine_b.dispose()
         _drop_second(second)
+
+
+def crashing_trainer(crash_at: int) -> type:
+    """A Trainer that dies at the worst moment: step `crash_at` committed, its checkpoint not
+    yet written (and nothing of it published)."""
+    from trainer.train import Trainer
+
+    class CrashingTrainer(Trainer):
+        def save_checkpoint(self) -> Path:
+            if self.step == crash_at:
+                raise RuntimeError(f"crash injected after step {self.step} committed")
+            return super().save_checkpoint()
+
+    return CrashingTrainer
 
 
 def _second_database(db_url: str, tmp_path: Path) -> str:
@@ -254,8 +270,9 @@ def _drop_second(url: str) -> None:
 async def test_sft_warm_start_lowers_the_nll_of_scripted_trajectories(engine, tiny, tmp_path):
     """SFT on the same data path (advantage 1, loss on sampled tokens): scripted 'samples'
     carry logprob 0, which SFT ignores; the model's NLL of those tokens goes down."""
+    from trainer.config import TrainerConfig
     from trainer.model import build_model
-    from trainer.train import Trainer, TrainerConfig
+    from trainer.train import Trainer
 
     model, _, _ = build_model(tiny["dense"])
     run_id = await fill_buffer(engine, model, [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
@@ -392,27 +409,28 @@ def test_activation_checkpointing_recomputes_the_same_gradients(tiny, mode):
 
 
 def test_float8_without_torchao_or_gpu_is_named(tiny, tmp_path):
-    from trainer.train import Trainer, TrainerConfig
+    from trainer.config import TrainerConfig
+    from trainer.train import Trainer
 
     cfg = TrainerConfig(model=tiny["dense"], out_dir=tmp_path, device="cpu", parallelism={"float8": True})
     with pytest.raises(ValueError, match="parallelism.float8"):
         Trainer(cfg)
 
 
-def test_ranks_get_the_same_number_of_micro_batches(tiny, tmp_path):
+def test_ranks_get_the_same_number_of_micro_batches():
     """Under FSDP every forward and backward is a collective: documents are spread over the
     ranks by length and a rank with fewer passes idly, or the step would deadlock."""
     from trainer.data import Sequence, pack
-    from trainer.train import Trainer, TrainerConfig
+    from trainer.parallel import micro_batches, projection_rounds
 
-    trainer = Trainer(TrainerConfig(model=tiny["dense"], out_dir=tmp_path, device="cpu"))
     rng = np.random.default_rng(0)
     seqs = [Sequence(tokens=rng.integers(0, 2000, n), sampled=np.r_[np.zeros(n // 2, bool), np.ones(n - n // 2, bool)],
                      inf_logprobs=np.zeros(n, np.float32), advantage=1.0) for n in (30, 25, 12, 9, 7)]
     rows, _ = pack(seqs, 48)
-    assert trainer.micro_batches(rows) == [[(i, 0, 48) for i in range(len(rows))]]  # one process: whole rows
-    trainer.world = 2
-    shares = trainer.micro_batches(rows)
+    # whole rows in one process, and on models that pack documents
+    assert micro_batches(rows, 1, split_documents=True) == [[(i, 0, 48) for i in range(len(rows))]]
+    assert micro_batches(rows, 2, split_documents=False) == [[(0, 0, 48)], [(1, 0, 48)]]
+    shares = micro_batches(rows, 2, split_documents=True)
     assert len(shares[0]) == len(shares[1]) == 3
     units = [u for share in shares for u in share if u is not None]
     assert sorted(e - s for _, s, e in units) == [6, 8, 11, 24, 29]  # every document once (len-1 predictions)
@@ -420,7 +438,6 @@ def test_ranks_get_the_same_number_of_micro_batches(tiny, tmp_path):
     loads = [sum(e - s for u in share if u for _, s, e in [u]) for share in shares]
     assert abs(loads[0] - loads[1]) <= 29
     # every rank makes as many vocabulary projections per round as the rank that needs most
-    trainer.cfg = trainer.cfg.model_copy(update={"logprob_chunk": 10})
-    pieces = trainer._pieces(shares)
+    pieces = projection_rounds(shares, chunk=10)
     needs = [[-(-(u[2] - u[1]) // 10) if u else 1 for u in round_] for round_ in zip(*shares)]
     assert pieces == [max(n) for n in needs] and max(pieces) == 3

@@ -13,8 +13,8 @@ from tests.conftest import require_torchtitan  # noqa: E402
 
 require_torchtitan()
 
+from trainer.config import load_config
 from trainer.layout import LayoutError, check
-from trainer.train import load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "trainer" / "configs"
 EXPECTED = {  # total parameters (billions), MoE layers, experts
@@ -58,3 +58,16 @@ def test_cli_names_a_bad_override(tmp_path):
     done = subprocess.run([sys.executable, "-m", "service.cli", "train", "--config", str(CONFIGS / "debug.toml"),
                            "--loss.ratio_low=5"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "ratio_low" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("override", "code", "expected"), [
+    ([], 0, '"moe_layers": 94'),
+    (["--parallelism.expert_parallel_degree=3"], 2, "expert_parallel_degree"),
+])
+def test_trainer_process_checks_a_layout(override, code, expected):
+    """`python -m trainer --check` (what `swerve train --check` runs): the layout as JSON, or
+    exit 2 naming the field."""
+    done = subprocess.run([sys.executable, "-m", "trainer", "--config", str(CONFIGS / "qwen3-235b-a22b.toml"),
+                           "--check", *override], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert expected in (done.stdout if code == 0 else done.stderr)

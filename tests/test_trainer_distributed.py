@@ -1,6 +1,6 @@
 """torchtitan's FSDP2, and FSDP2 + expert parallelism, over two gloo processes on CPU give the
 same loss, gradients and post-step loss as one process on the same batch, with our model
-construction (trainer.model) and our loss (trainer.loss); see trainer/distributed.py.
+construction (trainer.model) and our loss (trainer.loss); see tests/trainer_harness.py.
 
 The comparisons are made in a form whose result does not depend on the CPU's instruction set:
 the experts compute in float32 (`expert_dtype`), not in torchtitan's bfloat16 (whose rounding
@@ -44,9 +44,9 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 
 
 def step(model: Path, out: Path, *, nproc: int = 1, ep: int = 1) -> dict:
-    """trainer.distributed's step with float32 experts: one process, or torchrun over nproc."""
+    """tests/trainer_harness.py's step with float32 experts: one process, or torchrun over nproc."""
     launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone"] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "-m", "trainer.distributed", "--model", str(model), "--ep", str(ep),
+    cmd = [sys.executable, *launch, "-m", "tests.trainer_harness", "--model", str(model), "--ep", str(ep),
            "--out", str(out), "--expert-dtype", "float32", "--adam-eps", str(ADAM_EPS)]
     proc = subprocess.run(cmd, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)

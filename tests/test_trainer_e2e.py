@@ -29,7 +29,8 @@ async def start_run(client, suite_id: str, url: str, model_dir) -> str:
 
 async def test_trainer_consumes_a_run_and_the_fleet_serves_its_versions(worker, vllm_fleet, tmp_path):  # noqa: F811
     from service.fleet.client import FleetConfig, VLLMClient
-    from trainer.train import TrainerConfig, train
+    from trainer.config import TrainerConfig
+    from trainer.train import train
 
     db_url, data_dir = worker
     model_dir, url = vllm_fleet.models["dense"], vllm_fleet.url("dense-a")

@@ -1,7 +1,7 @@
 """Shape checks of a trainer config on the meta device: the model builds at its real size with
 no memory, and the parallel layout fits it (degrees multiply to the world size, experts split
 evenly over expert-parallel ranks, heads over tensor-parallel ranks). Used by tests and by
-`swerve train --check`."""
+`python -m trainer --check` (`swerve train --check`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.train import TrainerConfig
+from trainer.config import TrainerConfig
 
 
 class LayoutError(ValueError):

@@ -1,36 +1,18 @@
-"""The trainer's model over several processes: torchtitan's FSDP2 (and expert parallelism for
-MoE models) applied to the model `trainer.model.build_model` builds, on CPU with gloo.
+"""The equivalence check of the trainer's sharding (trainer.parallel): one AdamW step on a fixed
+batch with our `policy_loss`, writing the loss before and after the step and every parameter's
+gradient norm, in one process or over torchrun's (tests/test_trainer_distributed.py):
 
-    torchrun --nproc_per_node 2 -m trainer.distributed --model DIR --ep 1|2 --out FILE
-    python -m trainer.distributed --model DIR --out FILE        # one process: the reference
+    torchrun --nproc_per_node 2 -m tests.trainer_harness --model DIR --ep 1|2 --out FILE
+    python -m tests.trainer_harness --model DIR --out FILE        # one process: the reference
 
-`parallelize` is what the training loop (trainer/train.py, `swerve train --nproc N`) uses.
-`main` is an equivalence check, not a training loop: one optimizer step on a fixed batch with
-our `policy_loss`, writing the loss before and after the step and every parameter's gradient
-norm. Each rank takes its share of the batch as data parallelism would; the loss is normalised
-by the whole batch's sampled tokens, so the ranks' losses (and gradients) sum to those of one
-process on the whole batch, and the numbers must match the single-process run.
-
-CPU workarounds (torchtitan 0.3.0, torch 2.13, see ../shared/PLATFORM.md):
-- torchtitan picks its device type once at import, "cuda" when no accelerator is found, and
-  builds every mesh on it: `parallel_dims.device_type` is set to "cpu" before building meshes.
-- The "partial_dtensor" SPMD backend: torchtitan's default ("spmd_types") types every
-  activation over all mesh axes; the legacy path keeps data parallelism out of band (FSDP2
-  hooks), which is what runs here. It is set globally (`set_spmd_backend`) and on ParallelDims.
-- gloo has no PREMUL_SUM, which FSDP2's gradient reduce-scatter uses even with torchtitan's
-  divide factor of 1 ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): every FSDP module is forced
-  to plain SUM. Gradients are then summed over ranks, unscaled, so the loss carries the scale:
-  `policy_loss` divides by the whole batch's sampled tokens on every rank.
-- Expert parallelism needs each module's `sharding_config`, which torchtitan fills on the model
-  *config* before building (`set_qwen3_sharding_config`); build_model builds without it. We
-  annotate a copy of the config, build a twin on the meta device (free) and copy each module's
-  `_sharding_config` onto the real model by name.
+Each rank takes its share of the batch as data parallelism would; the loss is normalised by the
+whole batch's sampled tokens, so the ranks' losses (and gradients) sum to those of one process
+on the whole batch, and the numbers must match the single-process run.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import time
@@ -40,53 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.loss import LossConfig, policy_loss, token_logprobs
-
-SPMD_BACKEND = "partial_dtensor"
-
-
-def _annotate_sharding(model, config, *, enable_ep: bool) -> None:
-    """Give every module of `model` the sharding_config torchtitan would have built it with."""
-    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
-
-    annotated = copy.deepcopy(config)
-    set_qwen3_sharding_config(annotated, enable_sp=False, enable_ep=enable_ep)
-    with torch.device("meta"):
-        twin = annotated.build()
-    twins = dict(twin.named_modules())
-    for name, module in model.named_modules():
-        sharding = getattr(twins.get(name), "_sharding_config", None)
-        if sharding is not None:
-            module._sharding_config = sharding
-
-
-def parallelize(model, config, *, world_size: int, fsdp: int = -1, ep: int = 1, device_type: str = "cpu"):
-    """Shard `model` (built by build_model, not yet run) in place over `world_size` ranks
-    (gloo on CPU, NCCL on GPUs): FSDP2 over `fsdp` ranks (-1: all), routed experts split over
-    `ep` ranks (MoE models). The process group must be initialised. Returns torchtitan's
-    ParallelDims (its meshes)."""
-    import torchtitan.distributed.parallel_dims as titan_parallel_dims
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.utils import set_spmd_backend
-    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-
-    titan_parallel_dims.device_type = device_type  # torchtitan defaults to "cuda" without a GPU
-    set_spmd_backend(SPMD_BACKEND)
-    parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, expert_parallel_degree=ep,
-                                    enable_sequence_parallel=False, spmd_backend=SPMD_BACKEND)
-    dims = ParallelDims.from_config(parallelism, world_size)
-    dims.build_mesh()
-    if ep > 1:
-        _annotate_sharding(model, config, enable_ep=True)
-    # float32 parameters in forward: torchtitan's default casts them to bf16 (mixed precision)
-    training = TrainingConfig(mixed_precision_param="float32")
-    parallelize_qwen3(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                      compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="")
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)  # gloo rejects PREMUL_SUM; NCCL gets the same sums
-    return dims
+from trainer.parallel import parallelize
 
 
 def fixed_batch(vocab: int, n_seqs: int = 2, seq_len: int = 64, prompt: int = 8,
