@@ -9,6 +9,7 @@ import uuid
 import numpy as np
 
 from service.store.buffer import EpisodeData, GroupData
+from service.store.records import TurnRecord
 
 # CPU, float32, torch 2.13, SDPA
 GOLDEN = {"loss": 1.5285574197769165, "grad_norm": 3.958608865737915, "sampled_tokens": 45}
@@ -20,8 +21,8 @@ def golden_group() -> GroupData:
     rng = np.random.default_rng(1234)
     episodes = []
     for i, reward in enumerate([1.0, 0.0, 0.5]):
-        turns = [{"idx": k, "segment": 0, "input_ids": rng.integers(0, 2000, 7), "output_ids": rng.integers(0, 2000, 5),
-                  "output_logprobs": -rng.uniform(0.5, 9.0, 5).astype(np.float32), "policy_version": 0,
-                  "routed_experts": None} for k in range(3)]
+        turns = [TurnRecord(idx=k, segment=0, input_ids=rng.integers(0, 2000, 7), output_ids=rng.integers(0, 2000, 5),
+                            output_logprobs=-rng.uniform(0.5, 9.0, 5).astype(np.float32), policy_version=0)
+                 for k in range(3)]
         episodes.append(EpisodeData(uuid.UUID(int=i), i, "submitted", reward, 0, turns))
     return GroupData(uuid.UUID(int=10), uuid.UUID(int=11), uuid.UUID(int=12), episodes)
