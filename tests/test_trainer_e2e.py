@@ -21,7 +21,7 @@ require_torchtitan()
 async def start_run(client, suite_id: str, url: str, model_dir) -> str:
     run = await client.post("/api/v1/runs", headers=auth(), json={
         "suite_id": suite_id, "samples_per_task": 2, "concurrency": 4,
-        "policy": {"type": "vllm", "endpoints": [url], "model": "tiny", "tokenizer": str(model_dir)},
+        "sampler": {"type": "vllm", "endpoints": [url], "model": "tiny", "tokenizer": str(model_dir)},
         "agent": {"max_turns": 2, "sampling": {"max_tokens": 24}}})
     assert run.status_code == 201, run.text
     return run.json()["id"]
