@@ -26,7 +26,7 @@ from service.store.buffer import Buffer
 from service.fleet.client import FleetConfig, ProviderError, VLLMClient
 from service.worker.config import RunConfig
 from service.store.tables import Episode, Group, Policy, Run, utcnow
-from service.store.status import EPISODE_FINAL, FAILURES, RUN_ACTIVE
+from service.store.status import EPISODE_FINAL, FAILURES, IN_FLIGHT, RUN_ACTIVE
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
         counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count())
                                           .where(Episode.run_id == run_id).group_by(Episode.status))).all())
         resend = await _lost(conn, run_id, cfg, all_queued=takeover)
-        in_flight = counts.get("queued", 0) + counts.get("running", 0)
+        in_flight = sum(counts.get(s, 0) for s in IN_FLIGHT)
         if run_status == "cancelling" or await _failing(conn, run_id, cfg.max_consecutive_failures):
             final = "cancelled" if run_status == "cancelling" else "failed"
             pending = (await conn.execute(sa.select(Episode.id).where(

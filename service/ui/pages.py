@@ -17,8 +17,8 @@ from fastapi.templating import Jinja2Templates
 from service.api.answers import AnswersDep, answers, remember
 from service.control.redaction import REDACTED
 from service.api.deps import SessionDep
-from service.control.views import episode_detail, get_run, progress, progress_many
-from service.store.tables import Episode, Group, Policy, Run, Suite, Task
+from service.control.views import episode_detail, get_run, list_runs, progress
+from service.store.tables import Episode, Group, Policy, Suite, Task
 from service.store.status import EPISODE_FINAL, RUN_ACTIVE
 
 router = APIRouter(include_in_schema=False)
@@ -46,10 +46,8 @@ def diff_lines(diff: str | None) -> list[tuple[str, str]]:
 
 @router.get("/", response_class=HTMLResponse)
 async def runs_page(request: Request, session: SessionDep, limit: int = Query(100, ge=1, le=1000)):
-    runs = (await session.scalars(sa.select(Run).order_by(Run.created_at.desc()).limit(limit))).all()
-    total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
-    items = await progress_many(session, list(runs))
-    return _page(request, "runs.html", runs=items, total=total, active=RUN_ACTIVE)
+    page = await list_runs(session, limit, 0)
+    return _page(request, "runs.html", runs=page["items"], total=page["total"], active=RUN_ACTIVE)
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
