@@ -17,7 +17,14 @@ COPY envs ./envs
 COPY sandboxes ./sandboxes
 COPY trainer ./trainer
 COPY migrations ./migrations
-RUN pip install .
+# EXTRAS="[model,trainer]" makes the trainer's image (compose's rl profile): torch from TORCH_INDEX
+# (the CPU wheels by default; a CUDA index for GPU nodes) and torchtitan without its extra deps.
+ARG EXTRAS=""
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCHTITAN_VERSION=0.3.0
+RUN if [ -n "$EXTRAS" ]; then \
+      pip install --extra-index-url "$TORCH_INDEX" ".$EXTRAS" && pip install --no-deps "torchtitan==$TORCHTITAN_VERSION"; \
+    else pip install .; fi
 
 USER swerve
 ENV SWERVE_DATA_DIR=/data

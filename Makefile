@@ -1,4 +1,4 @@
-# swerve — `make run` sets up and runs the service on embedded defaults; `make test` runs the tests.
+# swerve — `make run` sets up and runs the RL job on embedded defaults; `make test` runs the tests.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,7 +15,7 @@ PORT ?= 8000
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,model,trainer]'
+	$(BIN)/pip install --quiet -e '.[dev,model,trainer,trackers]'
 	$(BIN)/pip install --quiet --no-deps torchtitan==$(TORCHTITAN_VERSION)
 	touch $(STAMP)
 
@@ -33,8 +33,9 @@ install: $(STAMP)
 db: $(STAMP)
 	$(BIN)/swerve db upgrade
 
+# The main job: `swerve rl` on the example suite (envs/example_suite/rl.toml) with the tiny model.
 run: db $(VLLM_STAMP)
-	$(BIN)/swerve run --suite envs/example_suite/suite.jsonl --host $(HOST) --port $(PORT)
+	$(BIN)/swerve rl --config envs/example_suite/rl.toml --serve.host=$(HOST) --serve.port=$(PORT)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider

@@ -60,7 +60,7 @@ async def setup(engine, episodes: int) -> list[uuid.UUID]:
             await conn.execute(sa.insert(Task).values(
                 id=task_id, suite_id=suite_id, position=g, instance_id=f"t{g}", repo="o/r", base_commit="a" * 40,
                 problem_statement="p", test_patch="", fail_to_pass=["x"], pass_to_pass=[], log_parser="pytest"))
-            await conn.execute(sa.insert(Group).values(id=group_id, run_id=run_id, task_id=task_id, size=1,
+            await conn.execute(sa.insert(Group).values(id=group_id, run_id=run_id, task_id=task_id, seq=g, size=1,
                                                        status="pending", created_at=utcnow()))
             await conn.execute(sa.insert(Episode).values(
                 id=episode_id, run_id=run_id, group_id=group_id, task_id=task_id, sample_index=0,

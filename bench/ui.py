@@ -40,7 +40,7 @@ async def populate(url: str, runs: int, turns: int, tokens: int) -> uuid.UUID:
             rid, gid = uuid.uuid4(), uuid.uuid4()
             run_rows.append({"id": rid, "suite_id": suite_id, "name": f"run {i}", "status": "finished", "config": {},
                              "config_hash": "0" * 64, "created_at": utcnow()})
-            group_rows.append({"id": gid, "run_id": rid, "task_id": task_id, "size": 4, "status": "ready",
+            group_rows.append({"id": gid, "run_id": rid, "task_id": task_id, "seq": 0, "size": 4, "status": "ready",
                                "created_at": utcnow()})
             episode_rows += [{"id": uuid.uuid4(), "run_id": rid, "group_id": gid, "task_id": task_id, "sample_index": k,
                               "status": "submitted", "reward": float(k % 2), "n_turns": 10, "input_tokens": 9000,

@@ -135,6 +135,57 @@ def run(
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def rl(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option(help="The job's config (TOML); default: the example suite's, "
+                                                     "envs/example_suite/rl.toml.")] = None,
+    check_only: Annotated[bool, typer.Option("--check", help="Check the config and exit.")] = False,
+) -> None:
+    """Asynchronous RL over a suite as one job: rollouts, evaluation and the trainer, resumed
+    by running the same command again. Extra `--section.key=value` arguments override the
+    config (e.g. --job.steps=8 --trainer.optim.lr=3e-5)."""
+    from rich.console import Console
+
+    from service import rl as job
+    from service.log import setup_logging
+
+    settings = _settings()
+    path = config or job.EXAMPLE_CONFIG
+    if not path.is_file():
+        typer.secho(f"--config {path}: no such file", fg="red", err=True)
+        raise typer.Exit(2)
+    try:
+        cfg = job.load(path, ctx.args)
+        job.check(cfg)
+    except job.ConfigError as e:
+        typer.secho(f"{path}: {e}", fg="red", err=True)
+        raise typer.Exit(2) from e
+    if check_only:
+        typer.echo(f"{path}: ok")
+        return
+    if settings.local_mode and not _is_loopback(cfg.serve.host):
+        typer.secho(f"SWERVE_API_TOKEN is unset: refusing to listen on {cfg.serve.host}.", fg="red", err=True)
+        raise typer.Exit(2)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = settings.data_dir / "swerve-rl.log"
+    setup_logging(settings.log_format, level="INFO", path=log_path)
+    typer.echo(f"log: {log_path}")
+    try:
+        status = asyncio.run(job.run_job(settings, cfg, Console(width=None if sys.stdout.isatty() else 160)))
+    except KeyboardInterrupt:
+        typer.echo("stopped; run the same command again to resume the job")
+        raise typer.Exit(130) from None
+    except job.ConfigError as e:
+        typer.secho(f"{path}: {e}", fg="red", err=True)
+        raise typer.Exit(2) from e
+    except (RuntimeError, TimeoutError) as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(1) from e
+    if status != "finished":
+        raise typer.Exit(1)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
     ctx: typer.Context,
     config: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="Trainer config (TOML).")],

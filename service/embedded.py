@@ -93,12 +93,12 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
 
     url = settings.resolved_database_url
     db.upgrade(url)
-    suite_id = await _import_suite(settings, opts.suite, console)
-    model = opts.model or _tiny_model(settings, console)
+    suite_id = await import_suite(settings, opts.suite, console)
+    model = opts.model or tiny_model(settings, console)
     vllm = None
     endpoints = list(opts.endpoints)
     if opts.sampler == "vllm" and not endpoints:
-        vllm = _start_vllm(settings, model, opts.vllm_port, console)
+        vllm = start_vllm(settings, model, opts.vllm_port, console)
         endpoints = [vllm.url]
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_config=None, log_level="warning"))
@@ -153,7 +153,7 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
             vllm.stop()
 
 
-async def _import_suite(settings: Settings, path: Path, console) -> uuid.UUID:
+async def import_suite(settings: Settings, path: Path, console) -> uuid.UUID:
     """The suite named after the file (its folder for a plain suite.jsonl), imported on first use."""
     from service.control import suites
     from service.store.db import make_async_engine
@@ -175,7 +175,7 @@ async def _import_suite(settings: Settings, path: Path, console) -> uuid.UUID:
         await engine.dispose()
 
 
-def _tiny_model(settings: Settings, console) -> Path:
+def tiny_model(settings: Settings, console) -> Path:
     from service.fleet.tiny_model import init_tiny
 
     folder = (settings.resolved_models_dir / "tiny-qwen3").resolve()
@@ -185,7 +185,9 @@ def _tiny_model(settings: Settings, console) -> Path:
     return folder
 
 
-def _start_vllm(settings: Settings, model: Path, port: int, console):
+def start_vllm(settings: Settings, model: Path, port: int, console, *, max_model_len: int = 8192,
+               die_with_parent: bool = False):  # fmt: skip
+    """A local vLLM CPU server with `model`, ready."""
     from service.fleet.server import VLLMServer, vllm_python
 
     if not Path(vllm_python()).exists():
@@ -193,7 +195,7 @@ def _start_vllm(settings: Settings, model: Path, port: int, console):
                            "SWERVE_VLLM_PYTHON), or use `swerve run --sampler oracle`")
     log = (settings.data_dir / f"vllm-{port}.log").resolve()
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = VLLMServer(model, port, max_model_len=8192, log_path=log).start()
+    server = VLLMServer(model, port, max_model_len=max_model_len, log_path=log, die_with_parent=die_with_parent).start()
     with console.status(f"starting vLLM (CPU) on {server.url} with {model.name} (about a minute; log: {log})"):
         try:
             server.wait_ready()

@@ -25,7 +25,7 @@ from service.worker.scripted import oracle_actions
 from service.control.runs import create_run
 from service.worker.config import RunConfig
 from service.store.tasks import task_from_row
-from service.store.tables import Episode, Run, Suite, Task, Turn
+from service.store.tables import Episode, Group, Run, Suite, Task, Turn
 from service.fleet.tiny_model import init_tiny
 from service.ui import pages
 from tests.conftest import TOKEN, auth, client_for, make_settings
@@ -154,6 +154,7 @@ async def answers(db_url, tokenizer_dir):
             episodes = [[row.episode_id for row in await episodes_of(engine, r)] for r in runs]
             tasks = [row.id for row in await episodes_of(engine, runs[0])]
             async with engine.connect() as conn:
+                groups = (await conn.execute(sa.select(Group.id).where(Group.run_id.in_(runs)))).scalars().all()
                 blobs = (await conn.execute(sa.select(Turn.input_ids, Turn.output_ids)
                                             .where(Turn.episode_id.in_(episodes[0])))).all()
         finally:
@@ -161,7 +162,7 @@ async def answers(db_url, tokenizer_dir):
         first_call = tok.encode(oracle_actions(TaskRecord.model_validate(record(0)))[0], add_special_tokens=False)
         yield {
             "client": client, "app": served.app, "suite_id": [suite_id], "task_id": tasks,
-            "run_id": runs, "run": runs, "episode_id": episodes[0] + episodes[1], "turn": [0, 1],
+            "run_id": runs, "run": runs, "episode_id": episodes[0] + episodes[1], "turn": [0, 1], "group_id": groups,
             "oracle_run": runs[0], "model_run": runs[1], "oracle_episodes": episodes[0],
             "model_episodes": episodes[1],
             # an oracle turn's tokens as a JSON list and as stored bytes (arrays=base64)

@@ -30,7 +30,7 @@ async def make_groups(engine, n_groups: int, size: int = 2, version: int = 0) ->
             await conn.execute(sa.insert(Task).values(
                 id=task_id, suite_id=suite_id, position=g, instance_id=f"t-{g}", repo="o/r", base_commit="a" * 40,
                 problem_statement="p", test_patch="", fail_to_pass=["x"], pass_to_pass=[], log_parser="pytest"))
-            await conn.execute(sa.insert(Group).values(id=group_id, run_id=run_id, task_id=task_id, size=size, status="pending", created_at=utcnow()))
+            await conn.execute(sa.insert(Group).values(id=group_id, run_id=run_id, task_id=task_id, seq=g, size=size, status="pending", created_at=utcnow()))
             episodes = [uuid.uuid4() for _ in range(size)]
             for i, e in enumerate(episodes):
                 await conn.execute(sa.insert(Episode).values(
@@ -89,7 +89,7 @@ async def test_claim_commit_exactly_once(buffer):
     assert len(again.group_ids) == 1 and not set(again.group_ids) & set(claim.group_ids)
     await buffer.commit(claim, trainer_step=1)
     await buffer.release(again)
-    assert (await buffer.stats()) | {} == {"pending": 0, "ready": 1, "claimed": 0, "consumed": 2, "dropped": 0}
+    assert (await buffer.stats()) | {} == {"pending": 0, "ready": 1, "claimed": 0, "consumed": 2, "dropped": 0, "skipped": 0, "evaluated": 0}
 
 
 async def test_expired_lease_returns_groups_and_the_late_commit_fails(buffer):

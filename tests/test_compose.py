@@ -63,3 +63,19 @@ def test_inference_profiles(profile, service):
     vllm = yaml.safe_load(result.stdout)["services"][service]
     assert "service.fleet.extension.SwerveWorkerExtension" in vllm["command"]
     assert vllm["environment"]["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_rl_profile_runs_the_job_against_the_cluster():
+    result = subprocess.run(compose_command() + ["-f", str(ROOT / "docker-compose.yml"), "--profile", "rl", "config"],
+                            cwd=ROOT, env={**os.environ, "SWERVE_API_TOKEN": "x" * 24}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    trainer, vllm = services["trainer"], services["vllm-rl"]
+    assert trainer["command"][:2] == ["swerve", "rl"] and trainer["restart"] == "on-failure"  # restarted: resumes
+    assert '--inference.endpoints=["http://vllm-rl:8100"]' in trainer["command"]
+    assert trainer["environment"]["SWERVE_DATABASE_URL"].startswith("postgresql://")
+    assert trainer["environment"]["SWERVE_BROKER_URL"].startswith("redis://")
+    assert trainer["build"]["args"]["EXTRAS"] == "[model,trainer]"
+    assert "service.fleet.extension.SwerveWorkerExtension" in vllm["command"]
+    assert {"vllm-rl", "api", "worker"} <= set(trainer["depends_on"])
+    assert "model-init" in vllm["depends_on"]

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                                                              "parallelism.world_size must match the whole job's.")
     parser.add_argument("--check", action="store_true", help="Check the model and parallel layout on the meta "
                                                              "device, print it and exit.")
+    parser.add_argument("--validate", action="store_true", help="Check the config only: print it resolved as "
+                                                                "JSON, or one line per error (field: problem).")
     return parser
 
 
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   f"--nproc_per_node={args.nproc}", "-m", "trainer", f"--config={args.config}",
                                   *overrides])
+    if args.validate:
+        return _validate(args.config, overrides)
     try:
         cfg = load_config(args.config, overrides)
         if args.check:
@@ -68,6 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0":
         for m in history:
             print(json.dumps({k: m[k] for k in PRINTED}), flush=True)
+    return 0
+
+
+def _validate(path: Path, overrides: list[str]) -> int:
+    try:
+        cfg = load_config(path, overrides)
+    except ValidationError as e:
+        for err in e.errors():
+            what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            print(f"{'.'.join(str(p) for p in err['loc'])}: {what}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"(config): {e}", file=sys.stderr)
+        return 2
+    print(cfg.model_dump_json())
     return 0
 
 

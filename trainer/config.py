@@ -66,8 +66,18 @@ class TrainerConfig(BaseModel):
     run_id: uuid.UUID | None = None
     """Train only on this run's groups (None: any run's)."""
     steps: int = Field(1, ge=0)
-    """Steps to train (0: until stopped)."""
+    """Steps to train in this process (0: until stopped)."""
+    until_step: int | None = Field(None, ge=1)
+    """Stop once the trainer's step reaches this (a job's last step: a resumed trainer trains
+    only the steps left); None: no such bound."""
+    evaluate_every: int | None = Field(None, ge=1)
+    """The run's evaluations (`swerve rl`): before training on a version that is a multiple of
+    this, wait until its evaluation ended, so that it sampled only that version."""
     groups_per_step: int = Field(4, ge=1)
+    fill_useful: bool = True
+    """Claim until groups_per_step groups teach something (non-zero advantages), as DAPO's
+    dynamic sampling; False: a step takes the next groups_per_step groups whatever they teach
+    (a step may then have nothing to learn from, and still makes a version)."""
     max_off_policy_steps: int = Field(4, ge=0)
     """Claimed groups whose oldest token is more steps behind are dropped (and counted)."""
     lease_s: float = Field(600.0, gt=0)
@@ -119,8 +129,10 @@ class TrainerConfig(BaseModel):
 
 
 def load_config(path: Path, overrides: list[str] = ()) -> TrainerConfig:
-    """The TOML file, with `--a.b=value` overrides (values parsed as JSON when they parse)."""
-    raw = tomllib.loads(Path(path).read_text())
+    """The TOML file (or JSON, as `swerve rl` writes it), with `--a.b=value` overrides (values
+    parsed as JSON when they parse)."""
+    text = Path(path).read_text()
+    raw = json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
         if not sep:

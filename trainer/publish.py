@@ -126,4 +126,5 @@ async def serve(cfg: TrainerConfig, path: Path, version: int, *, force: bool) ->
 
 
 def _fleet(cfg: TrainerConfig) -> VLLMClient:
-    return VLLMClient(FleetConfig(endpoints=cfg.endpoints, model=cfg.served_model))
+    # the servers answer slowly while they sample on busy cores: a trainer waits for them
+    return VLLMClient(FleetConfig(endpoints=cfg.endpoints, model=cfg.served_model, probe_timeout_s=60.0))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from service.store.buffer import Buffer, Claim, ClaimLost, GroupData
+from service.store.status import RUN_ACTIVE
 from trainer import checkpoint
 from trainer.config import TrainerConfig
 from trainer.data import BatchStats, Row, group_advantages_of, pack, packing_efficiency, sequences_from_groups
@@ -61,12 +62,18 @@ class Handout:
     zero_advantage_groups: int = 0
     staleness: list[int] = field(default_factory=list)
     error: str | None = None
+    done: bool = False
+    """The run makes no more groups: every rank stops (error says why)."""
 
     def metrics(self, step: int) -> dict:
         return {"step": step, "dropped_groups": self.dropped_groups,
                 "zero_advantage_groups": self.zero_advantage_groups,
                 "staleness_mean": float(np.mean(self.staleness)) if self.staleness else None,
                 "staleness_max": max(self.staleness) if self.staleness else None}
+
+
+class ScheduleDone(Exception):
+    """The trainer's run makes no more groups to train on."""
 
 
 class Trainer:
@@ -108,7 +115,16 @@ class Trainer:
         await self.resume()
         history = []
         while self.cfg.steps == 0 or len(history) < self.cfg.steps:
-            claims, handout = await self.hand_out()
+            if self.cfg.until_step is not None and self.step >= self.cfg.until_step:
+                break
+            waited = time.perf_counter()
+            try:
+                await self.wait_for_evaluation()
+                claims, handout = await self.hand_out()
+            except ScheduleDone as e:
+                logger.info("stopping at step %d: %s", self.step, e)
+                break
+            waited = time.perf_counter() - waited
             metrics = await asyncio.to_thread(self.train_batch, handout.batch)
             lost = self.ranks.share(await self.commit(claims) if self.ranks.rank == 0 else None)
             if lost is not None:
@@ -119,8 +135,12 @@ class Trainer:
             self.step += 1
             if self.step % self.cfg.checkpoint_every == 0:
                 await asyncio.to_thread(self.save_checkpoint)
-            metrics |= handout.metrics(self.step)
+            metrics |= handout.metrics(self.step) | {"wait_s": waited, "run_id": self.cfg.run_id and str(self.cfg.run_id)}
+            published = time.perf_counter()
             metrics["reloaded"] = await self.publish(self.step, metrics)
+            metrics["publish_s"] = time.perf_counter() - published
+            if self.ranks.rank == 0:
+                await self.buffer.annotate_policy(self.step, {"publish_s": metrics["publish_s"]})
             if self.ranks.rank == 0:
                 self._record(metrics)
             history.append(metrics)
@@ -128,16 +148,40 @@ class Trainer:
 
     # ---- rank 0 and the buffer ---------------------------------------------------------------------
 
+    async def wait_for_evaluation(self) -> None:
+        """With `evaluate_every`, before training on version `step` when it is due an
+        evaluation: wait until that evaluation ended, so that it sampled only this version."""
+        every = self.cfg.evaluate_every
+        if not every or self.step % every or self.cfg.run_id is None:
+            return
+        if self.ranks.rank == 0:
+            deadline = time.monotonic() + self.cfg.wait_s
+            while (status := await self.buffer.evaluation(self.cfg.run_id, self.step)) in (None, *RUN_ACTIVE):
+                if await self.buffer.schedule_done(self.cfg.run_id) and status is None:
+                    break  # the run ended: no evaluation is coming
+                if time.monotonic() > deadline:
+                    logger.warning("version %d: its evaluation did not end within %s s; training on", self.step,
+                                   self.cfg.wait_s)
+                    break
+                await asyncio.sleep(1.0)
+        self.ranks.barrier()
+
     async def hand_out(self) -> tuple[list[Claim], Handout]:
         """Rank 0 claims and packs the step's groups and hands every rank the batch; the claims
         stay on rank 0."""
         if self.ranks.rank != 0:
             handout = self.ranks.share(None)
+            if handout.done:
+                raise ScheduleDone(handout.error)
             if handout.error is not None:
                 raise RuntimeError(f"rank 0 stopped: {handout.error}")
             return [], handout
         try:
             claims, groups, dropped, useless = await self.claim()
+        except ScheduleDone as e:
+            self.ranks.share(Handout(error=f"{ScheduleDone.__name__}: {e}", done=True))
+            raise
+        try:
             staleness = [self.step - g.episodes[0].policy_version_min for g in groups
                          if g.episodes and g.episodes[0].policy_version_min is not None]
             handout = Handout(self.prepare(groups), dropped, useless, staleness)
@@ -147,31 +191,44 @@ class Trainer:
         return claims, self.ranks.share(handout)
 
     async def claim(self) -> tuple[list[Claim], list[GroupData], int, int]:
-        """Claims holding groups_per_step useful groups (of the run, if set), those groups, and
-        the counts of stale groups dropped and of useless ones. Groups that teach nothing (all
-        advantages zero, no rewarded episode) ride along in the claims: consumed with the step
-        and counted, never handed out again."""
+        """Claims holding groups_per_step useful groups (of the run, if set; with fill_useful
+        off, groups_per_step groups, useful or not), every group claimed, and the counts of
+        stale groups dropped and of useless ones. Groups that teach nothing (all advantages
+        zero, no rewarded episode) ride along in the claims: consumed with the step, counted in
+        its reward and staleness, trained on by nothing (prepare leaves them out), never handed
+        out again."""
         deadline = time.monotonic() + self.cfg.wait_s
-        claims, useful, dropped, useless = [], [], 0, 0
-        while len(useful) < self.cfg.groups_per_step:
-            claim = await self.buffer.claim(self.cfg.groups_per_step - len(useful), trainer_step=self.step,
+        claims, useful, dropped, useless, taken = [], [], 0, 0, []
+
+        def missing() -> int:
+            return self.cfg.groups_per_step - len(useful) - (0 if self.cfg.fill_useful else useless)
+
+        while missing() > 0:
+            claim = await self.buffer.claim(missing(), trainer_step=self.step,
                                             max_staleness=self.cfg.max_off_policy_steps, lease_s=self.cfg.lease_s,
                                             run_id=self.cfg.run_id, owner=self.cfg.name)
             dropped += claim.dropped
             if claim.group_ids:
                 claims.append(claim)
                 for group in await self.buffer.load(claim):
+                    taken.append(group)
                     if group_advantages_of(group, self.cfg.data) is not None:
                         useful.append(group)
                     else:
                         useless += 1
                 continue
+            if self.cfg.run_id is not None and await self.buffer.schedule_done(self.cfg.run_id):
+                if useful or (useless and not self.cfg.fill_useful):  # the schedule's last groups: a smaller step
+                    break
+                for c in claims:
+                    await self.buffer.commit(c, trainer_step=self.step + 1)  # taught nothing: consumed
+                raise ScheduleDone(f"run {self.cfg.run_id} makes no more groups (its schedule is done or it ended)")
             if time.monotonic() > deadline:
                 for c in claims:
                     await self.buffer.release(c)
                 raise TimeoutError(f"no {self.cfg.groups_per_step} useful ready groups within {self.cfg.wait_s} s")
             await asyncio.sleep(1.0)
-        return claims, useful, dropped, useless
+        return claims, taken, dropped, useless
 
     def prepare(self, groups: list[GroupData]) -> Batch:
         """Sequences of the groups' turns, packed into rows."""

@@ -162,6 +162,14 @@ class RunProgress(BaseModel):
     owner: str | None
     guarded: int
     """Episodes on which an integrity guard fired at grading."""
+    kind: str
+    """A RunKind: sample (one pass), train (a training run) or eval (an evaluation)."""
+    parent_id: uuid.UUID | None
+    """An evaluation's training run."""
+    policy_version: int | None
+    """The policy version an evaluation evaluates."""
+    training: TrainingPublic | None = None
+    """A training run's steps and evaluations (GET /runs/{id} only)."""
 
 
 class EpisodePublic(BaseModel):
@@ -237,6 +245,117 @@ class BufferStats(BaseModel):
     claimed: int
     consumed: int
     dropped: int
+    skipped: int
+    evaluated: int
+
+
+class EvalPublic(BaseModel):
+    """An evaluation of one policy version over a held-out suite (never trained on)."""
+
+    run_id: uuid.UUID
+    parent_id: uuid.UUID | None
+    policy_version: int | None
+    status: str
+    suite_id: uuid.UUID
+    created_at: datetime
+    finished_at: datetime | None
+    pass_at_1: float | None
+    """Mean over tasks of the solved fraction of the task's graded samples."""
+    pass_at_1_ci: tuple[float, float] | None
+    """95% Wilson interval over the graded samples."""
+    pass_at_k: float | None
+    """Unbiased pass@k estimator (Chen et al.), k = the samples per task."""
+    k: int
+    tasks: int
+    samples: int
+    format_error_rate: float | None
+    """Turns whose text held no well-formed tool call, over all turns."""
+    mean_turns: float | None
+    mean_tokens: float | None
+    episodes: int
+    final: int
+    versions_sampled: tuple[int, int] | None
+    """The oldest and newest policy versions that sampled its tokens."""
+
+
+class StepPublic(BaseModel):
+    """One trainer step of a training run: the version it made and what it measured."""
+
+    model_config = ConfigDict(extra="allow")
+    version: int
+    created_at: datetime
+    reward_mean: float | None = None
+    loss: float | None = None
+    mismatch_kl: float | None = None
+    entropy: float | None = None
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    useful_fraction: float | None = None
+    """Groups with a non-zero advantage over the step's groups."""
+    filtered: int = 0
+    """Tasks the difficulty filter skipped while the previous version was served."""
+    wait_s: float | None = None
+    """Waiting for rollouts (and for an evaluation the trainer held for)."""
+    step_s: float | None = None
+    """Forward and backward."""
+    publish_s: float | None = None
+    """Writing the weights, recording the version, reloading the fleet."""
+
+
+class TrainingPublic(BaseModel):
+    step: int
+    last_step: int | None
+    epoch: int | None
+    epochs: int | None
+    exhausted: bool
+    """The schedule made its last group."""
+    groups: dict[str, int]
+    """The run's groups by status."""
+    filtered: int
+    dropped: int
+    steps_per_hour: float | None
+    steps: list[StepPublic]
+    evals: list[EvalPublic]
+
+
+class TaskDifficulty(BaseModel):
+    instance_id: str
+    pass_rate: list[float | None]
+    """The solved fraction of its graded samples, per epoch."""
+    skipped: int
+
+
+class DifficultyPublic(BaseModel):
+    epochs: int
+    tasks: list[TaskDifficulty]
+    total: int
+
+
+class GroupEpisode(EpisodePublic):
+    diff: str | None = None
+    advantage: float | None
+    """Reward minus the mean of the group's rewarded samples."""
+    advantage_std_normalized: float | None
+
+
+class GroupDetail(BaseModel):
+    id: uuid.UUID
+    run_id: uuid.UUID
+    task_id: uuid.UUID
+    instance_id: str
+    seq: int
+    epoch: int
+    status: str
+    size: int
+    min_policy_version: int | None
+    trainer_step: int | None
+    skipped_reason: str | None
+    dropped_reason: str | None
+    reward_mean: float | None
+    reward_std: float | None
+    teaches: bool
+    """Whether its advantages are not all zero."""
+    episodes: list[GroupEpisode]
 
 
 class PolicyPublic(BaseModel):
@@ -246,9 +365,14 @@ class PolicyPublic(BaseModel):
     created_at: datetime
     metrics: dict[str, Any]
     """The metrics of the trainer step that made this version (loss, reward, mismatch KL...)."""
+    evals: list[EvalPublic]
+    """Evaluations of this version made after it was published."""
 
 
 class ValidationStarted(BaseModel):
     status: str
     results: str
     """Where the validation's results appear (GET)."""
+
+
+RunProgress.model_rebuild()

@@ -22,6 +22,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from service.control import training
 from service.store.buffer import Buffer
 from service.fleet.client import FleetConfig, ProviderError, VLLMClient
 from service.worker.config import RunConfig
@@ -65,13 +66,16 @@ async def orchestrate(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[
     live orchestrator owns the run (or takes it over from this one)."""
     owner = owner or new_owner()
     async with engine.connect() as conn:
-        cfg = RunConfig.model_validate(await conn.scalar(sa.select(Run.config).where(Run.id == run_id)))
+        row = (await conn.execute(sa.select(Run.config, Run.kind).where(Run.id == run_id))).one()
+    cfg = RunConfig.model_validate(row.config)
     fleet = FleetVersion(cfg)
+    tasks = training.Tasks() if row.kind == "train" else None
     first = True
     try:
         while True:
             version = await fleet.get()
-            status = await _tick(engine, run_id, cfg, submit, owner, lease_s, version, takeover=first)
+            status = await _tick(engine, run_id, cfg, submit, owner, lease_s, version, takeover=first, tasks=tasks,
+                                 kind=row.kind)
             first = False
             if status == "not owner":
                 return None
@@ -84,7 +88,8 @@ async def orchestrate(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[
 
 
 async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: Callable[[str], None],
-                owner: str, lease_s: float, fleet_version: int | None, takeover: bool = False) -> str | None:  # fmt: skip
+                owner: str, lease_s: float, fleet_version: int | None, takeover: bool = False,
+                tasks: training.Tasks | None = None, kind: str = "sample") -> str | None:  # fmt: skip
     async with engine.begin() as conn:
         owned = await Buffer.own_run(conn, run_id, owner, lease_s)
         run_status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
@@ -94,16 +99,25 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
                                           .where(Episode.run_id == run_id).group_by(Episode.status))).all())
         resend = await _lost(conn, run_id, cfg, all_queued=takeover)
         in_flight = sum(counts.get(s, 0) for s in IN_FLIGHT)
+        version = await training.newest_version(conn) if kind == "train" else None
+        if kind == "train" and run_status == "running":
+            await training.start_evaluation(conn, run_id, cfg, version)
         if run_status == "cancelling" or await _failing(conn, run_id, cfg.max_consecutive_failures):
             final = "cancelled" if run_status == "cancelling" else "failed"
             pending = (await conn.execute(sa.select(Episode.id).where(
                 Episode.run_id == run_id, Episode.status.in_(("pending", "queued"))))).scalars().all()
-        elif sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL):
+        elif kind == "train" and await training.done(conn, run_id, cfg, version, counts):
+            final, pending = "finished", await training.stop_sampling(conn, run_id)
+        elif kind != "train" and sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL):
             await Buffer.finish_run(conn, run_id, "finished")
             return "finished"
         else:
-            gate, new_groups = await _gate(conn, run_id, cfg, fleet_version)
-            starts = await _starts(conn, run_id, max(0, cfg.concurrency - in_flight), new_groups)
+            gate, new_groups = await _gate(conn, run_id, cfg, fleet_version, kind)
+            room = max(0, cfg.concurrency - in_flight)
+            if kind == "train":
+                task_ids = await (tasks or training.Tasks()).get(conn, cfg)
+                await training.add_groups(conn, run_id, cfg, task_ids, room, new_groups, fleet_version)
+            starts = await _starts(conn, run_id, room, new_groups)
             if starts:
                 await Buffer.queue(conn, starts)
             await Buffer.set_gate(conn, run_id, gate)
@@ -119,6 +133,8 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
         return None  # wait for running episodes to end
     async with engine.begin() as conn:
         await Buffer.finish_run(conn, run_id, final)
+        for child in (await conn.execute(sa.select(Run.id).where(Run.parent_id == run_id))).scalars():
+            await Buffer.request_cancel(conn, child)  # a training run's evaluations end with it
     return final
 
 
@@ -141,14 +157,14 @@ async def _starts(conn: AsyncConnection, run_id: uuid.UUID, room: int, new_group
 
 
 async def _gate(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig,
-                fleet_version: int | None) -> tuple[str | None, int | None]:  # fmt: skip
+                fleet_version: int | None, kind: str = "sample") -> tuple[str | None, int | None]:  # fmt: skip
     """How many new groups may start now (None: no limit), and why not when none may.
     Trainer version: the newest published policy. New groups are held back while the fleet
     serves a version more than max_off_policy_steps behind it, and, with `groups_per_step`
     set, beyond (max_off_policy_steps + 1) x groups_per_step of the run's groups started and
     not yet trained on (a group started later would be consumed too many steps from now)."""
-    if cfg.sampler.type != "vllm":
-        return None, None  # scripted samplers sample nothing to be off-policy from
+    if cfg.sampler.type != "vllm" or kind == "eval":
+        return None, None  # scripted samplers sample nothing to be off-policy from; evaluations train nothing
     trainer = await conn.scalar(sa.select(sa.func.max(Policy.version))) or 0
     if fleet_version is not None and trainer - fleet_version > cfg.max_off_policy_steps:
         return (f"fleet serves policy version {fleet_version}, trainer is at {trainer} "

@@ -12,10 +12,11 @@ from typing import Literal
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from service.control.evaluation import eval_results
 from service.control.redaction import Answers, is_oracle
 from service.store.records import decode_array
 from service.store.status import EPISODE_FINAL
-from service.store.tables import Episode, Policy, Run, Task, Turn
+from service.store.tables import Episode, Group, Policy, Run, Task, Turn
 
 Arrays = Literal["none", "base64", "json"]
 
@@ -73,6 +74,7 @@ async def progress_many(session: AsyncSession, runs: list[Run]) -> list[dict]:
             "tokens_per_s": tokens / elapsed if elapsed else None,
             "episodes_per_s": final / elapsed if elapsed else None,
             "gate": run.gate, "owner": run.owner, "guarded": guarded,
+            "kind": run.kind, "parent_id": run.parent_id, "policy_version": run.policy_version,
         })  # fmt: skip
     return out
 
@@ -192,8 +194,108 @@ async def run_events(session: AsyncSession, answers: Answers, run_id: uuid.UUID,
 
 
 async def list_policies(session: AsyncSession, limit: int, offset: int) -> dict:
+    """The published versions, newest first, each with the metrics of the step that made it and
+    the evaluations made of it (after it was published)."""
     total = await session.scalar(sa.select(sa.func.count()).select_from(Policy))
     rows = (await session.scalars(sa.select(Policy).order_by(Policy.version.desc()).limit(limit).offset(offset))).all()
+    evals = await evaluations(session, sa.and_(Run.kind == "eval", Run.policy_version.in_([p.version for p in rows])))
     return {"items": [{"version": p.version, "trainer_step": p.trainer_step, "weights_path": p.weights_path,
-                       "created_at": p.created_at, "metrics": p.info or {}} for p in rows],
+                       "created_at": p.created_at, "metrics": p.info or {},
+                       "evals": [e for e in evals if e["policy_version"] == p.version and e["created_at"] >= p.created_at]}
+                      for p in rows],
             "total": total, "limit": limit, "offset": offset}
+
+
+async def evaluations(session: AsyncSession, where) -> list[dict]:
+    """Evaluation runs matching `where`, oldest first, with what they measured."""
+    runs = (await session.scalars(sa.select(Run).where(where).order_by(Run.created_at))).all()
+    results = await eval_results(session, {r.id: int(r.config.get("samples_per_task", 1)) for r in runs})
+    return [{"run_id": r.id, "parent_id": r.parent_id, "policy_version": r.policy_version, "status": r.status,
+             "suite_id": r.suite_id, "created_at": r.created_at, "finished_at": r.finished_at, **results[r.id]}
+            for r in runs]
+
+
+STEP_METRICS = ("loss", "reward_mean", "mismatch_kl", "entropy", "masked_fraction", "grad_norm", "groups",
+                "zero_advantage_groups", "dropped_groups", "episodes", "sampled_tokens", "staleness_mean",
+                "staleness_max", "wait_s", "step_s", "publish_s", "tokens_per_s")
+
+
+async def training(session: AsyncSession, run: Run) -> dict | None:
+    """A training run's steps (the metrics of each version its trainer published, the groups
+    the filter skipped and the share of groups that taught something), its evaluations, its
+    groups by status, and its pace. None for other runs."""
+    if run.kind != "train":
+        return None
+    cfg = run.config.get("training") or {}
+    policies = (await session.execute(sa.select(Policy.version, Policy.created_at, Policy.info)
+                                      .order_by(Policy.version))).all()
+    skipped = dict((await session.execute(sa.select(Group.min_policy_version, sa.func.count()).where(
+        Group.run_id == run.id, Group.status == "skipped").group_by(Group.min_policy_version))).all())
+    steps = []
+    for version, created, info in policies:
+        info = info or {}
+        if version == 0 or info.get("run_id") != str(run.id):
+            continue
+        groups, useless = info.get("groups") or 0, info.get("zero_advantage_groups") or 0
+        steps.append({"version": version, "created_at": created, **{k: info.get(k) for k in STEP_METRICS},
+                      "useful_fraction": (groups - useless) / groups if groups else None,
+                      "filtered": skipped.get(version - 1, 0)})
+    started = next((created for version, created, _ in policies if version == 0), None)
+    hours = (steps[-1]["created_at"] - started).total_seconds() / 3600 if steps and started else None
+    groups = dict((await session.execute(sa.select(Group.status, sa.func.count()).where(Group.run_id == run.id)
+                                         .group_by(Group.status))).all())
+    epoch = await session.scalar(sa.select(sa.func.max(Group.epoch)).where(Group.run_id == run.id))
+    return {"step": steps[-1]["version"] if steps else 0, "last_step": cfg.get("steps"), "epoch": epoch,
+            "epochs": cfg.get("epochs"), "exhausted": run.exhausted_at is not None, "groups": groups,
+            "filtered": groups.get("skipped", 0), "dropped": groups.get("dropped", 0),
+            "steps_per_hour": len(steps) / hours if hours else None, "steps": steps,
+            "evals": await evaluations(session, sa.and_(Run.parent_id == run.id, Run.kind == "eval"))}
+
+
+async def task_difficulty(session: AsyncSession, run_id: uuid.UUID, limit: int = 500) -> dict:
+    """Per task of a run: the solved fraction of its graded samples in each epoch (None: not
+    sampled or not graded), and how often the filter skipped it."""
+    solved = sa.func.sum(sa.case((Episode.reward >= 1.0, 1), else_=0))
+    rows = (await session.execute(
+        sa.select(Task.instance_id, Group.epoch, sa.func.count(Episode.reward), solved)
+        .join(Group, Group.task_id == Task.id).join(Episode, Episode.group_id == Group.id, isouter=True)
+        .where(Group.run_id == run_id).group_by(Task.instance_id, Group.epoch))).all()
+    skips = dict((await session.execute(sa.select(Task.instance_id, sa.func.count()).join(Group, Group.task_id == Task.id)
+                                        .where(Group.run_id == run_id, Group.status == "skipped")
+                                        .group_by(Task.instance_id))).all())
+    epochs = max((r[1] for r in rows), default=-1) + 1
+    tasks: dict[str, list] = {}
+    for instance_id, epoch, graded, n_solved in rows:
+        tasks.setdefault(instance_id, [None] * epochs)[epoch] = (n_solved or 0) / graded if graded else None
+    items = [{"instance_id": k, "pass_rate": v, "skipped": skips.get(k, 0)} for k, v in sorted(tasks.items())]
+    return {"epochs": epochs, "tasks": items[:limit], "total": len(items)}
+
+
+async def group_detail(session: AsyncSession, answers: Answers, group_id: uuid.UUID) -> dict:
+    """A group's samples side by side: each episode's status, reward and advantage (reward minus
+    the mean of the group's rewarded samples, and that over their standard deviation), turns,
+    tokens and diff, as this caller may see them."""
+    row = (await session.execute(sa.select(Group, Task.instance_id, Run.config).join(Task, Task.id == Group.task_id)
+                                 .join(Run, Run.id == Group.run_id).where(Group.id == group_id))).first()
+    if row is None:
+        raise NotFound(f"group {group_id} not found")
+    group, instance_id, config = row
+    episodes = (await session.scalars(sa.select(Episode).where(Episode.group_id == group_id)
+                                      .order_by(Episode.sample_index))).all()
+    rewards = [e.reward for e in episodes if e.reward is not None]
+    mean = sum(rewards) / len(rewards) if rewards else None
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else None
+    oracle = is_oracle(config)
+    items = []
+    for e in episodes:
+        adv = None if e.reward is None or mean is None else e.reward - mean
+        item = episode_summary(e, instance_id) | {
+            "diff": e.diff, "advantage": adv,
+            "advantage_std_normalized": None if adv is None else adv / (std + 1e-6)}
+        items.append(answers.episode(item, oracle=oracle))
+    return {"id": group.id, "run_id": group.run_id, "task_id": group.task_id, "instance_id": instance_id,
+            "seq": group.seq, "epoch": group.epoch, "status": group.status, "size": group.size,
+            "min_policy_version": group.min_policy_version, "trainer_step": group.trainer_step,
+            "skipped_reason": group.dropped_reason if group.status == "skipped" else None,
+            "dropped_reason": group.dropped_reason if group.status == "dropped" else None,
+            "reward_mean": mean, "reward_std": std, "teaches": bool(std and std > 1e-6), "episodes": items}

@@ -89,6 +89,9 @@ class FleetConfig(BaseModel):
     backoff_s: float = Field(0.5, gt=0)
     """First retry delay; doubles each try, with jitter, up to 30 s."""
     health_interval_s: float = Field(10.0, gt=0)
+    probe_timeout_s: float = Field(5.0, gt=0)
+    """How long a health probe may take before its server counts as down (a server busy on few
+    cores answers slowly; a trainer that must reach it waits longer)."""
     version_poll_s: float = Field(1.0, gt=0)
     """How often the served policy version of every server is read (a trainer elsewhere reloads
     them); a new session reads its server's version before its first request too."""
@@ -150,8 +153,9 @@ class VLLMClient:
 
     async def _probe(self, ep: Endpoint) -> None:
         try:
-            models = (await self._http.get(f"{ep.url}/v1/models", timeout=5.0)).raise_for_status().json()
-            info = await self._http.get(f"{ep.url}/weight_info", timeout=5.0)
+            timeout = self.cfg.probe_timeout_s
+            models = (await self._http.get(f"{ep.url}/v1/models", timeout=timeout)).raise_for_status().json()
+            info = await self._http.get(f"{ep.url}/weight_info", timeout=timeout)
         except (httpx.HTTPError, ValueError) as e:
             self._mark_down(ep, f"probe failed: {e}")
             return

@@ -36,6 +36,9 @@ class VLLMServer:
     extra_args: list[str] = field(default_factory=list)
     cache_dir: Path = REPO / "var" / "vllm-cache"
     log_path: Path | None = None
+    die_with_parent: bool = False
+    """The server gets SIGTERM when the process that started it dies, even by SIGKILL (a job's
+    own server; start it from the main thread: the signal follows the thread that forked)."""
     proc: subprocess.Popen | None = None
 
     @property
@@ -64,8 +67,8 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent if self.die_with_parent else None)
         return self
 
     def wait_ready(self, timeout_s: float = 900.0) -> None:
@@ -94,6 +97,13 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def set_version(url: str, version: int) -> None:

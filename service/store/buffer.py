@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.store.records import TurnRecord, decode_array, encode_ids, encode_logprobs, encode_routed_experts
 from service.store.tables import Episode, Group, Policy, Run, Turn, utcnow
-from service.store.status import EPISODE_FINAL, RUN_ACTIVE, EpisodeStatus, RunStatus
+from service.store.status import EPISODE_FINAL, RUN_ACTIVE, EpisodeStatus, RunKind, RunStatus
 
 
 class Superseded(Exception):
@@ -88,6 +88,18 @@ def _refusals(what: str) -> Iterator[None]:
 
 GIVEN_BACK = {"status": "ready", "claim_id": None, "claim_expires_at": None, "claimed_by": None}
 """A group given back to the buffer (released, its owner gone, or un-consumed by a rewind)."""
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """A group a run's schedule adds: its place, epoch and task; `skipped` (why) when the
+    difficulty filter passes the task over; `version`: the fleet's policy version then."""
+
+    seq: int
+    epoch: int
+    task_id: uuid.UUID
+    skipped: str | None = None
+    version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -251,8 +263,9 @@ class Buffer:
             return
         oldest = await conn.scalar(sa.select(sa.func.min(Episode.policy_version_min))
                                    .where(Episode.group_id == group_id))
-        await conn.execute(sa.update(Group).where(Group.id == group_id, Group.status == "pending")
-                           .values(status="ready", ready_at=utcnow(), min_policy_version=oldest))
+        kind = await conn.scalar(sa.select(Run.kind).join(Group, Group.run_id == Run.id).where(Group.id == group_id))
+        await conn.execute(sa.update(Group).where(Group.id == group_id, Group.status == "pending").values(
+            status="evaluated" if kind == "eval" else "ready", ready_at=utcnow(), min_policy_version=oldest))
 
     async def claim(self, n_groups: int, *, trainer_step: int, max_staleness: int,
                     lease_s: float = 600.0, run_id: uuid.UUID | None = None,
@@ -339,21 +352,43 @@ class Buffer:
     @staticmethod
     async def create_run(conn: AsyncConnection, run_id: uuid.UUID, *, suite_id: uuid.UUID, name: str | None,
                          config: dict, config_hash: str, task_ids: list[uuid.UUID], samples: int,
-                         trainable: bool) -> None:  # fmt: skip
-        """A running run with one pending group of `samples` pending episodes per task."""
+                         trainable: bool, kind: RunKind = "sample", parent_id: uuid.UUID | None = None,
+                         policy_version: int | None = None) -> None:  # fmt: skip
+        """A running run with one pending group of `samples` pending episodes per task (a
+        training run starts with none: its orchestrator adds them with add_groups)."""
         await conn.execute(sa.insert(Run).values(id=run_id, suite_id=suite_id, name=name, status="running",
                                                  config=config, config_hash=config_hash, created_at=utcnow(),
-                                                 started_at=utcnow()))
+                                                 started_at=utcnow(), kind=kind, parent_id=parent_id,
+                                                 policy_version=policy_version))
+        await Buffer.add_groups(conn, run_id, [PlannedGroup(seq, 0, task_id) for seq, task_id in enumerate(task_ids)],
+                                samples=samples, trainable=trainable, config_hash=config_hash)
+
+    @staticmethod
+    async def add_groups(conn: AsyncConnection, run_id: uuid.UUID, planned: list[PlannedGroup], *, samples: int,
+                         trainable: bool, config_hash: str) -> None:  # fmt: skip
+        """The run's next groups, in schedule order: pending with `samples` pending episodes
+        each, or skipped (the difficulty filter passed the task over: no episodes)."""
         groups, episodes = [], []
-        for task_id in task_ids:  # creation times follow the suite's order
+        for plan in planned:  # creation times follow the schedule's order
             group_id = uuid.uuid4()
-            groups.append({"id": group_id, "run_id": run_id, "task_id": task_id, "size": samples,
-                           "status": "pending", "created_at": utcnow()})
-            episodes += [{"id": uuid.uuid4(), "run_id": run_id, "group_id": group_id, "task_id": task_id,
-                          "sample_index": i, "status": "pending", "trainable": trainable,
-                          "config_hash": config_hash, "created_at": utcnow()} for i in range(samples)]
-        await conn.execute(sa.insert(Group), groups)
-        await conn.execute(sa.insert(Episode), episodes)
+            groups.append({"id": group_id, "run_id": run_id, "task_id": plan.task_id, "seq": plan.seq,
+                           "epoch": plan.epoch, "size": 0 if plan.skipped else samples,
+                           "status": "skipped" if plan.skipped else "pending", "created_at": utcnow(),
+                           "dropped_reason": plan.skipped, "min_policy_version": plan.version})
+            if not plan.skipped:
+                episodes += [{"id": uuid.uuid4(), "run_id": run_id, "group_id": group_id, "task_id": plan.task_id,
+                              "sample_index": i, "status": "pending", "trainable": trainable,
+                              "config_hash": config_hash, "created_at": utcnow()} for i in range(samples)]
+        if groups:
+            await conn.execute(sa.insert(Group), groups)
+        if episodes:
+            await conn.execute(sa.insert(Episode), episodes)
+
+    @staticmethod
+    async def mark_exhausted(conn: AsyncConnection, run_id: uuid.UUID) -> None:
+        """A training run's schedule is done: its last group is created."""
+        await conn.execute(sa.update(Run).where(Run.id == run_id, Run.exhausted_at.is_(None))
+                           .values(exhausted_at=utcnow()))
 
     # Episode attempts. The orchestrator and the workers move episodes only through these; each
     # runs in the caller's transaction (the orchestrator's holds the run row locked).
@@ -431,6 +466,18 @@ class Buffer:
         async with self.engine.begin() as conn:
             await conn.execute(sa.update(Run).where(Run.owner == owner).values(owner=None))
 
+    async def set_endpoints(self, run_id: uuid.UUID, endpoints: list[str]) -> None:
+        """The vLLM servers a run (and its active evaluations) samples from, changed (a job
+        resumed with servers elsewhere); the rest of its config stays."""
+        async with self.engine.begin() as conn:
+            rows = (await conn.execute(sa.select(Run.id, Run.config).where(
+                sa.or_(Run.id == run_id, sa.and_(Run.parent_id == run_id, Run.status.in_(RUN_ACTIVE)))))).all()
+            for rid, config in rows:
+                sampler = dict(config.get("sampler") or {})
+                if sampler.get("type") == "vllm" and sampler.get("endpoints") != endpoints:
+                    await conn.execute(sa.update(Run).where(Run.id == rid).values(
+                        config={**config, "sampler": {**sampler, "endpoints": endpoints}}))
+
     @staticmethod
     async def request_cancel(conn: AsyncConnection, run_id: uuid.UUID) -> bool:
         """An active run is asked to stop (its orchestrator ends it). False if it was not active."""
@@ -451,6 +498,14 @@ class Buffer:
                                                         trainer_step=trainer_step, created_at=utcnow(), info=info))
         return True
 
+    async def annotate_policy(self, version: int, info: dict) -> None:
+        """Add to a recorded version's info what was measured after it was recorded (the time
+        its publication and the fleet's reload took)."""
+        async with self.engine.begin() as conn:
+            current = await conn.scalar(sa.select(Policy.info).where(Policy.version == version))
+            await conn.execute(sa.update(Policy).where(Policy.version == version)
+                               .values(info={**(current or {}), **info}))
+
     async def rewind(self, step: int, run_id: uuid.UUID | None = None) -> tuple[int, int]:
         """Undo every step after `step` (a trainer resuming from that checkpoint): the groups
         they consumed go back to ready, the versions they published are withdrawn. Returns
@@ -467,9 +522,33 @@ class Buffer:
         async with self.engine.connect() as conn:
             return await conn.scalar(sa.select(Policy.version).where(Policy.version == version)) is not None
 
+    async def evaluation(self, run_id: uuid.UUID, version: int) -> str | None:
+        """The status of the training run's newest evaluation of `version` made after that
+        version was published (an earlier one evaluated withdrawn weights); None: none yet."""
+        async with self.engine.connect() as conn:
+            published = await conn.scalar(sa.select(Policy.created_at).where(Policy.version == version))
+            if published is None:
+                return None
+            return await conn.scalar(sa.select(Run.status).where(
+                Run.parent_id == run_id, Run.kind == "eval", Run.policy_version == version,
+                Run.created_at >= published).order_by(Run.created_at.desc()).limit(1))
+
+    async def schedule_done(self, run_id: uuid.UUID) -> bool:
+        """Whether a training run will make no more groups to train on: it ended, or its
+        schedule is exhausted and none of its groups is still being sampled."""
+        async with self.engine.connect() as conn:
+            run = (await conn.execute(sa.select(Run.status, Run.exhausted_at).where(Run.id == run_id))).first()
+            if run is None or run.status not in RUN_ACTIVE:
+                return True
+            if run.exhausted_at is None:
+                return False
+            sampling = await conn.scalar(sa.select(sa.func.count()).select_from(Group).where(
+                Group.run_id == run_id, Group.status == "pending"))
+        return sampling == 0
+
     async def stats(self) -> dict[str, int]:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(sa.select(Group.status, sa.func.count()).group_by(Group.status))).all()
-        counts = {"pending": 0, "ready": 0, "claimed": 0, "consumed": 0, "dropped": 0}
+        counts = {"pending": 0, "ready": 0, "claimed": 0, "consumed": 0, "dropped": 0, "skipped": 0, "evaluated": 0}
         counts |= {status: n for status, n in rows}
         return counts

@@ -26,6 +26,13 @@ IN_FLIGHT: tuple[EpisodeStatus, ...] = ("queued", "running")
 RunStatus = Literal["pending", "running", "cancelling", "finished", "failed", "cancelled"]
 RUN_ACTIVE: tuple[RunStatus, ...] = ("pending", "running", "cancelling")
 
-GroupStatus = Literal["pending", "ready", "claimed", "consumed", "dropped"]
+RunKind = Literal["sample", "train", "eval"]
+"""sample: one pass over the suite (every group created at once); train: a training run (epochs
+over the suite, groups created as the orchestrator needs them, evaluations as the policy
+changes); eval: an evaluation of one policy version for a training run (never trained on)."""
+
+GroupStatus = Literal["pending", "ready", "claimed", "consumed", "dropped", "skipped", "evaluated"]
 """pending: episodes still running; ready: all final, waiting for the trainer; claimed: under a
-trainer's lease; consumed: a committed step trained on it; dropped: too stale to train on."""
+trainer's lease; consumed: a committed step trained on it; dropped: too stale to train on;
+skipped: the difficulty filter passed its task over (no episodes); evaluated: all final in an
+evaluation (never handed to a trainer)."""

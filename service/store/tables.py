@@ -112,9 +112,17 @@ class Policy(Base):
 
 class Run(Base):
     __tablename__ = "runs"
-    __table_args__ = (sa.Index(None, "status"), sa.Index(None, "suite_id"))
+    __table_args__ = (sa.Index(None, "status"), sa.Index(None, "suite_id"), sa.Index(None, "parent_id"))
 
     id: Mapped[uuid.UUID] = _uuid_pk()
+    kind: Mapped[str] = mapped_column(sa.String(16), default="sample", server_default="sample")
+    """A RunKind (service.store.status): one pass (sample), a training run, or an evaluation."""
+    parent_id: Mapped[uuid.UUID | None] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
+    """An evaluation's training run."""
+    policy_version: Mapped[int | None] = mapped_column()
+    """The policy version an evaluation evaluates."""
+    exhausted_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    """A training run: when the last group of its schedule (epochs, max_groups) was created."""
     suite_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("suites.id", ondelete="RESTRICT"))
     name: Mapped[str | None] = mapped_column(sa.String(200))
     status: Mapped[str] = mapped_column(sa.String(32), default="pending")
@@ -137,7 +145,8 @@ class Group(Base):
 
     __tablename__ = "groups"
     __table_args__ = (
-        sa.UniqueConstraint("run_id", "task_id"),
+        sa.UniqueConstraint("run_id", "seq"),
+        sa.Index(None, "run_id", "task_id"),
         sa.Index(None, "status", "ready_at"),
         sa.Index(None, "claim_id"),
     )
@@ -145,9 +154,12 @@ class Group(Base):
     id: Mapped[uuid.UUID] = _uuid_pk()
     run_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("runs.id", ondelete="CASCADE"))
     task_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("tasks.id", ondelete="RESTRICT"))
+    seq: Mapped[int] = mapped_column()
+    """The group's place in its run's schedule (0, 1, ...)."""
+    epoch: Mapped[int] = mapped_column(default=0, server_default="0")
     size: Mapped[int] = mapped_column()
     status: Mapped[str] = mapped_column(sa.String(16), default="pending")
-    """pending (episodes still running), ready, claimed, consumed or dropped."""
+    """A GroupStatus (service.store.status)."""
     min_policy_version: Mapped[int | None] = mapped_column()
     created_at: Mapped[datetime] = _created_at()
     ready_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))

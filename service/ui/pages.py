@@ -17,8 +17,10 @@ from fastapi.templating import Jinja2Templates
 from service.api.answers import AnswersDep, answers, remember
 from service.control.redaction import REDACTED
 from service.api.deps import SessionDep
-from service.control.views import episode_detail, get_run, list_runs, progress
-from service.store.tables import Episode, Group, Policy, Suite, Task
+from service.control.views import (
+    episode_detail, get_run, group_detail, list_runs, progress, task_difficulty, training,
+)  # fmt: skip
+from service.store.tables import Episode, Group, Policy, Run, Suite, Task
 from service.store.status import EPISODE_FINAL, RUN_ACTIVE
 
 router = APIRouter(include_in_schema=False)
@@ -62,7 +64,7 @@ async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
     episodes = (await session.execute(
         sa.select(Episode.id, Episode.status, Episode.reward, Episode.n_turns, Episode.input_tokens,
                   Episode.output_tokens, Episode.policy_version_min, Episode.finished_at, Task.instance_id,
-                  Episode.sample_index)
+                  Episode.sample_index, Episode.group_id)
         .join(Task, Task.id == Episode.task_id).where(Episode.run_id == run_id)
         .order_by(Task.instance_id, Episode.sample_index))).all()
     series = {
@@ -80,9 +82,22 @@ async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
     trainer = [{"version": v, **{k: (info or {}).get(k) for k in ("loss", "mismatch_kl", "entropy", "masked_fraction",
                                                                   "reward_mean", "staleness_mean")}}
                for v, info in policies if info]
+    train = await training(session, run)
+    difficulty = await task_difficulty(session, run_id, 200) if train else None
+    parent = await session.get(Run, run.parent_id) if run.parent_id else None
     return _page(request, "run.html", run=state, tasks=tasks, episodes=episodes, has_staleness=bool(consumed),
                  series_json=json.dumps(series), trainer_json=json.dumps(trainer), has_trainer=bool(trainer),
-                 config_json=json.dumps(run.config, indent=1), active=RUN_ACTIVE)
+                 config_json=json.dumps(run.config, indent=1), active=RUN_ACTIVE, training=train,
+                 training_json=json.dumps(train, default=str) if train else "null", difficulty=difficulty,
+                 parent=parent)
+
+
+@router.get("/groups/{group_id}", response_class=HTMLResponse)
+async def group_page(request: Request, session: SessionDep, answers: AnswersDep, group_id: uuid.UUID):
+    group = await group_detail(session, answers, group_id)
+    for e in group["episodes"]:
+        e["diff_lines"] = diff_lines(e.get("diff"))
+    return _page(request, "group.html", g=group)
 
 
 @router.get("/episodes/{episode_id}", response_class=HTMLResponse)

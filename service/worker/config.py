@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from envs.integrity import IntegrityMode
 from sandboxes.base import SandboxLimits
+from service.fleet.client import SamplingParams
 from service.worker.agent import AgentConfig
 
 
@@ -50,6 +51,64 @@ class ReplaySamplerConfig(BaseModel):
 SamplerConfig = Annotated[OracleSamplerConfig | VLLMSamplerConfig | ReplaySamplerConfig, Field(discriminator="type")]
 
 
+class FilterConfig(BaseModel):
+    """Online difficulty filtering, as prime-rl's online difficulty filter and DeepSWE's
+    solve-all / solve-none filters do it: a task whose recent groups all solved every sample
+    (or none) is passed over, with a chance to try it again. Off by default."""
+
+    model_config = ConfigDict(extra="forbid")
+    skip_solved: bool = False
+    """Pass over tasks every sample of whose recent groups was rewarded."""
+    skip_unsolved: bool = False
+    """Pass over tasks no sample of whose recent groups was rewarded."""
+    min_groups: int = Field(2, ge=1)
+    """Finished groups of a task before it may be passed over."""
+    window: int = Field(4, ge=1)
+    """The task's most recent finished groups that count."""
+    retry_prob: float = Field(0.1, ge=0, le=1)
+    """Chance that a task the filter would pass over is sampled anyway (its rate may change)."""
+
+
+class EvalConfig(BaseModel):
+    """Evaluation while training: at version 0, every `every` versions and at the last one, a
+    run over a held-out suite (never trained on) with the policy version it evaluates."""
+
+    model_config = ConfigDict(extra="forbid")
+    suite_id: uuid.UUID
+    every: int = Field(1, ge=1)
+    """Policy versions between evaluations."""
+    samples_per_task: int = Field(4, ge=1, le=1024)
+    """n: pass@1 is averaged over n samples per task, pass@k is reported for k = n."""
+    instance_ids: list[str] | None = None
+    repos: list[str] | None = None
+    max_turns: int | None = Field(None, ge=1)
+    """None: the training run's."""
+    sampling: SamplingParams | None = None
+    """None: the training run's."""
+    concurrency: int | None = Field(None, ge=1, le=4096)
+    hold_trainer: bool = True
+    """The trainer waits for the evaluation of a version before it trains on, so every
+    evaluation episode is sampled by exactly that version."""
+
+
+class TrainingConfig(BaseModel):
+    """A training run: groups are created as the orchestrator needs them, epoch after epoch
+    over the suite in an order shuffled per epoch, until the trainer reaches `steps` or the
+    schedule (epochs, max_groups) is done."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(ge=1)
+    """The trainer's last step: the run ends once it published that version (and evaluated it)."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the suite (None: as many as the steps need)."""
+    max_groups: int | None = Field(None, ge=1)
+    """Groups to create at most, skipped ones included (None: no limit)."""
+    seed: int = 0
+    """Seed of the per-epoch shuffles and of the filter's retries."""
+    filter: FilterConfig = FilterConfig()
+    eval: EvalConfig | None = None
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -86,10 +145,15 @@ class RunConfig(BaseModel):
     """The agent's changes to test files and test configuration at grading: reverted, rejected
     (resolution NO) or left ("off"); each guard that fires is recorded on the episode."""
 
+    training: TrainingConfig | None = None
+    """Set: a training run (see TrainingConfig); None: one pass, every group created at once."""
+
     @model_validator(mode="after")
     def _filters(self) -> RunConfig:
         if self.instance_ids is not None and not self.instance_ids:
             raise ValueError("instance_ids, when given, must name at least one task")
+        if self.training is not None and self.sampler.type != "vllm":
+            raise ValueError("training: a training run samples with the vLLM fleet (sampler.type = \"vllm\")")
         return self
 
     def hash(self) -> str:

@@ -14,8 +14,8 @@ from fastapi.responses import StreamingResponse
 from service.api.answers import AnswersDep
 from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
 from service.api.schemas import (
-    BufferStats, EpisodeDetail, EpisodePublic, HTTPValidationError, Page, PolicyPublic, Problem, RunProgress,
-    RunStatusPublic, TurnTokens,
+    BufferStats, DifficultyPublic, EpisodeDetail, EpisodePublic, GroupDetail, HTTPValidationError, Page, PolicyPublic,
+    Problem, RunProgress, RunStatusPublic, TurnTokens,
 )  # fmt: skip
 from service.control import views
 from service.control.redaction import is_oracle
@@ -49,7 +49,25 @@ async def list_runs(session: SessionDep, limit: Limit = 50, offset: Offset = 0) 
 
 @router.get("/runs/{run_id}", response_model=RunProgress, responses=NOT_FOUND)
 async def show_run(session: SessionDep, run_id: uuid.UUID) -> dict:
-    return await views.progress(session, await views.get_run(session, run_id))
+    """The run's progress; a training run's also has `training`: every step's metrics (reward,
+    mismatch KL, entropy, staleness, useful-group fraction, filtered tasks, the step's time
+    split into waiting, training and publishing) and every evaluation (pass@1 with its 95%
+    interval, pass@k, format-error rate, mean turns and tokens)."""
+    run = await views.get_run(session, run_id)
+    return await views.progress(session, run) | {"training": await views.training(session, run)}
+
+
+@router.get("/runs/{run_id}/tasks", response_model=DifficultyPublic, responses=NOT_FOUND)
+async def task_difficulty(session: SessionDep, run_id: uuid.UUID, limit: Limit = 500) -> dict:
+    """Per task: its pass rate in each epoch, and how often the difficulty filter skipped it."""
+    await views.get_run(session, run_id)
+    return await views.task_difficulty(session, run_id, limit)
+
+
+@router.get("/groups/{group_id}", response_model=GroupDetail, responses=NOT_FOUND)
+async def show_group(session: SessionDep, answers: AnswersDep, group_id: uuid.UUID) -> dict:
+    """One task's samples side by side: status, reward, advantage, turns, tokens and diff."""
+    return await views.group_detail(session, answers, group_id)
 
 
 @router.post("/runs/{run_id}/cancel", dependencies=TOKEN_REQUIRED, response_model=RunStatusPublic,

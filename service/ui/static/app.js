@@ -128,6 +128,56 @@ function runPage() {
     });
   }
   tableTools(document.getElementById("tasks"));
+  trainingCharts();
+}
+
+// A training run: reward and eval pass@1 over versions, the policy's drift, the groups, the step time.
+function trainingCharts() {
+  const holder = document.getElementById("training");
+  if (!holder) return;
+  const t = JSON.parse(holder.dataset.training);
+  const byStep = {};
+  t.steps.forEach((s) => { byStep[s.version] = s; });
+  const evals = {};
+  t.evals.forEach((e) => { if (e.pass_at_1 !== null) evals[e.policy_version] = e; });
+  const versions = Array.from(new Set([0, ...t.steps.map((s) => s.version), ...Object.keys(evals).map(Number)]))
+    .sort((a, b) => a - b);
+  const labels = versions.map((v) => `v${v}`);
+  const pick = (k) => versions.map((v) => (byStep[v] ? byStep[v][k] : null));
+  const ev = (f) => versions.map((v) => (evals[v] ? f(evals[v]) : null));
+  chart("chart-train-reward", {
+    type: "line",
+    data: { labels, datasets: [
+      { label: "reward (training step)", data: pick("reward_mean"), spanGaps: true },
+      { label: "eval pass@1", data: ev((e) => e.pass_at_1), spanGaps: true },
+      { label: "95% low", data: ev((e) => e.pass_at_1_ci[0]), borderDash: [4, 4], pointRadius: 0, spanGaps: true },
+      { label: "95% high", data: ev((e) => e.pass_at_1_ci[1]), borderDash: [4, 4], pointRadius: 0, spanGaps: true },
+    ] },
+    options: { scales: { y: { min: 0, max: 1 } } },
+  });
+  chart("chart-train-policy", {
+    type: "line",
+    data: { labels, datasets: ["mismatch_kl", "entropy"].map((k) => ({ label: k, data: pick(k), spanGaps: true })) },
+  });
+  chart("chart-train-groups", {
+    type: "line",
+    data: { labels, datasets: [
+      { label: "staleness (mean steps)", data: pick("staleness_mean"), spanGaps: true },
+      { label: "useful-group fraction", data: pick("useful_fraction"), spanGaps: true },
+      { label: "tasks filtered", data: pick("filtered"), spanGaps: true },
+      { label: "groups dropped", data: pick("dropped_groups"), spanGaps: true },
+    ] },
+  });
+  chart("chart-train-time", {
+    type: "bar",
+    data: { labels, datasets: [["wait_s", "waiting for rollouts"], ["step_s", "training"], ["publish_s", "publishing + reload"]]
+      .map(([k, label]) => ({ label, data: pick(k) })) },
+    options: { scales: { x: { stacked: true }, y: { stacked: true } } },
+  });
+  document.querySelectorAll("td.rate").forEach((td) => {
+    if (td.dataset.rate !== "") td.style.backgroundColor = `rgba(21, 128, 61, ${0.08 + 0.6 * Number(td.dataset.rate)})`;
+  });
+  tableTools(document.getElementById("difficulty"));
 }
 
 // Sort by clicking a header; filter rows with #task-filter.
