@@ -122,6 +122,11 @@ async def test_evaluations_start_per_due_version_and_are_never_trained_on(engine
         assert await conn.scalar(sa.select(sa.func.count()).select_from(Run).where(Run.kind == "eval")) == 0
     for version in (0, 1, 2):
         await publish(engine, version)
+        if version == 2:  # recorded, the fleet not reloaded yet: an evaluation now would sample v1
+            await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=1, kind="train")
+            async with engine.connect() as conn:
+                assert await conn.scalar(sa.select(sa.func.count()).select_from(Run).where(
+                    Run.kind == "eval", Run.policy_version == 2)) == 0
         await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=version, kind="train")
     async with engine.connect() as conn:
         evals = (await conn.execute(sa.select(Run.id, Run.policy_version, Run.parent_id).where(Run.kind == "eval")
@@ -164,3 +169,23 @@ async def test_a_schedule_smaller_than_a_step_is_refused(engine):
         "steps": 1, "eval": {"suite_id": str(uuid.uuid4())}}})
     with pytest.raises(RunError, match="training.eval.suite_id: suite .* not found"):
         await create_run(engine, cfg)
+
+
+async def test_an_evaluation_of_withdrawn_weights_is_cancelled(engine):
+    held_out = await make_suite(engine, 1)
+    run_id, cfg = await training_run(engine, eval={"suite_id": str(held_out), "every": 1, "samples_per_task": 1})
+    sent = []
+    for version in (0, 1):
+        await publish(engine, version)
+        await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=version, kind="train")
+    await Buffer(engine).rewind(0)  # a trainer resumed at step 0: version 1 is withdrawn
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=0, kind="train")
+    async with engine.connect() as conn:
+        evals = dict((await conn.execute(sa.select(Run.policy_version, Run.status).where(Run.kind == "eval"))).all())
+    assert evals == {0: "running", 1: "cancelling"}
+    await publish(engine, 1)  # published again: evaluated again, by a new evaluation
+    await _tick(engine, run_id, cfg, sent.append, "o", 15.0, fleet_version=1, kind="train")
+    async with engine.connect() as conn:
+        evals = (await conn.execute(sa.select(Run.policy_version, Run.status).where(Run.kind == "eval")
+                                    .order_by(Run.created_at))).all()
+    assert [tuple(e) for e in evals] == [(0, "running"), (1, "cancelling"), (1, "running")]

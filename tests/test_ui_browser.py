@@ -64,10 +64,21 @@ def service(tmp_path_factory, vllm_fleet):
             engine = db.make_async_engine(url)
             hostile_id, hostile_episodes = asyncio.run(_hostile(engine))
             _, long_episodes = asyncio.run(_hostile(db.make_async_engine(url), n_turns=55))  # more than a page
+            training, training_group, _ = asyncio.run(_training(db.make_async_engine(url)))
             yield {"url": server.url, "client": client, "oracle": oracle["id"], "model": model["id"],
                    "long_hostile": str(long_episodes[0]),
                    "hostile": str(hostile_id), "hostile_episodes": [str(e) for e in hostile_episodes],
-                   "suite": suite["id"], "tokenizer": tokenizer}
+                   "suite": suite["id"], "tokenizer": tokenizer, "training": str(training),
+                   "training_group": str(training_group)}
+
+
+async def _training(engine):
+    from tests.test_ui_training import build_training
+
+    try:
+        return await build_training(engine)
+    finally:
+        await engine.dispose()
 
 
 async def _hostile(engine, n_turns: int = 3):
@@ -118,6 +129,25 @@ class Page:
     def shot(self, name: str) -> None:
         SHOTS.mkdir(parents=True, exist_ok=True)
         self.page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_a_training_run_draws_its_steps_evaluations_and_groups(service, browser):
+    p = Page(browser, service["url"])
+    page = p.open(f"/runs/{service['training']}")
+    for chart in ("chart-train-reward", "chart-train-policy", "chart-train-groups", "chart-train-time"):
+        # Chart.js sized and drew the canvas (a chart that failed leaves it 0 x 0 or throws)
+        assert page.evaluate(f"document.getElementById('{chart}').width") > 0, chart
+        assert page.evaluate(f"!!window.Chart.getChart(document.getElementById('{chart}'))"), chart
+    assert page.locator("#evals tbody tr").count() == 1 and "0.500 [" in page.locator("#evals").inner_text()
+    assert page.locator("#difficulty td.rate").count() >= 1
+    shaded = page.evaluate("getComputedStyle(document.querySelector('#difficulty td.rate[data-rate=\"0.5\"]'))"
+                           ".backgroundColor")
+    assert shaded.startswith("rgba(21, 128, 61"), shaded
+    p.shot("run-training")
+    page = p.open(f"/groups/{service['training_group']}")
+    assert page.locator(".sample").count() == 2 and page.evaluate("window.__xss") is None
+    p.shot("group")
+    assert p.errors == []
 
 
 def test_pages_load_with_real_runs_and_no_console_errors(service, browser):

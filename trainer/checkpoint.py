@@ -55,6 +55,7 @@ def save(model, optimizer, run_dir: Path, step: int, ranks: Ranks, keep: int) ->
     if ranks.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
     ranks.barrier()
+    _materialize_optimizer_state(model, optimizer, only_missing=True)  # what load expects to find
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(path))
     ranks.barrier()
     if ranks.rank == 0:
@@ -75,13 +76,20 @@ def load(model, optimizer, checkpoint: Checkpoint) -> None:
     optimizer.load_state_dict(state["optim"])
 
 
-def _materialize_optimizer_state(model, optimizer) -> None:
+def _materialize_optimizer_state(model, optimizer, only_missing: bool = False) -> None:
     """A step with zero gradients and zero learning rate: the optimizer's state tensors exist
-    (with their shapes) for the checkpoint to be loaded into, and no weight moves."""
+    (with their shapes) for the checkpoint to be loaded into, and no weight moves. With
+    `only_missing`, only for parameters that have none yet (steps without data, experts no
+    token reached), the others' state untouched: a checkpoint always holds every parameter's."""
+    params = [p for p in model.parameters() if not (only_missing and optimizer.state.get(p))]
+    if not params:
+        return
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = 0.0
     for p in model.parameters():
+        p.grad = None
+    for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

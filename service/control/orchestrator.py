@@ -101,7 +101,8 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
         in_flight = sum(counts.get(s, 0) for s in IN_FLIGHT)
         version = await training.newest_version(conn) if kind == "train" else None
         if kind == "train" and run_status == "running":
-            await training.start_evaluation(conn, run_id, cfg, version)
+            await training.cancel_stale_evaluations(conn, run_id, version)
+            await training.start_evaluation(conn, run_id, cfg, version, fleet_version)
         if run_status == "cancelling" or await _failing(conn, run_id, cfg.max_consecutive_failures):
             final = "cancelled" if run_status == "cancelling" else "failed"
             pending = (await conn.execute(sa.select(Episode.id).where(

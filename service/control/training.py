@@ -90,18 +90,36 @@ async def newest_version(conn: AsyncConnection) -> int | None:
     return await conn.scalar(sa.select(sa.func.max(Policy.version)))
 
 
-async def start_evaluation(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int | None) -> None:
-    """An evaluation of the newest version when it is due one and has none made after it was
-    published (a version withdrawn by a trainer's resume and published again is evaluated again)."""
+async def start_evaluation(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int | None,
+                           fleet_version: int | None) -> None:  # fmt: skip
+    """An evaluation of the newest version when it is due one, the fleet serves it (the trainer
+    records a version before it reloads the fleet: an evaluation started in between would sample
+    the previous one) and it has none made after it was published (a version withdrawn by a
+    trainer's resume and published again is evaluated again)."""
     ev = cfg.training.eval
     if ev is None or version is None or version > cfg.training.steps \
             or not eval_due(version, ev.every, cfg.training.steps):
+        return
+    if fleet_version is None or fleet_version < version:
         return
     published = await conn.scalar(sa.select(Policy.created_at).where(Policy.version == version))
     exists = await conn.scalar(sa.select(Run.id).where(
         Run.parent_id == run_id, Run.kind == "eval", Run.policy_version == version, Run.created_at >= published))
     if exists is None:
         await create_eval(conn, run_id, cfg, version)
+
+
+async def cancel_stale_evaluations(conn: AsyncConnection, run_id: uuid.UUID, version: int | None) -> None:
+    """Active evaluations of versions that are gone (a resumed trainer withdrew them) or were
+    published again since (the evaluation began on the withdrawn weights) are cancelled: they
+    would go on sampling whatever the fleet serves next."""
+    published = sa.select(Policy.created_at).where(Policy.version == Run.policy_version).scalar_subquery()
+    stale = (await conn.execute(sa.select(Run.id).where(
+        Run.parent_id == run_id, Run.kind == "eval", Run.status.in_(RUN_ACTIVE),
+        sa.or_(Run.policy_version > (version if version is not None else -1), published.is_(None),
+               Run.created_at < published)))).scalars().all()
+    for eval_id in stale:
+        await Buffer.request_cancel(conn, eval_id)
 
 
 async def evaluation_pending(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int) -> bool:
