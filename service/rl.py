@@ -423,10 +423,12 @@ async def _update_endpoints(url: str, run_id: uuid.UUID, endpoints: list[str]) -
 def progress_line(state: dict, elapsed_s: float) -> str:
     """One line of the job's progress: step, reward, eval pass@1, staleness, pace, groups."""
     t = state["training"] or {}
-    steps, evals = t.get("steps") or [], [e for e in (t.get("evals") or []) if e["pass_at_1"] is not None]
+    steps = t.get("steps") or []
+    evals = [e for e in (t.get("evals") or []) if e["pass_at_1"] is not None and e["status"] == "finished"]
     last = steps[-1] if steps else {}
     reward = last.get("reward_mean")
     ev = evals[-1] if evals else None
+
     def f(value, digits: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 

@@ -441,3 +441,27 @@ def test_ranks_get_the_same_number_of_micro_batches():
     pieces = projection_rounds(shares, chunk=10)
     needs = [[-(-(u[2] - u[1]) // 10) if u else 1 for u in round_] for round_ in zip(*shares)]
     assert pieces == [max(n) for n in needs] and max(pieces) == 3
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_checkpoint_after_a_step_without_data_loads_back(tiny, tmp_path, kind):
+    """A step whose groups teach nothing (fill_useful off) leaves the optimizer without state,
+    and MoE experts no token reached have none either: the checkpoint still holds every
+    parameter's, so a resumed trainer loads it; the weights did not move."""
+    from trainer import checkpoint
+    from trainer.config import TrainerConfig
+    from trainer.train import Trainer
+
+    cfg = TrainerConfig(model=tiny[kind], out_dir=tmp_path, device="cpu", name="empty")
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.train_batch(trainer.prepare([]))
+    assert metrics["sampled_tokens"] == 0 and metrics["loss"] == 0.0
+    trainer.optimizer.step()
+    trainer.step = 1
+    trainer.save_checkpoint()
+    resumed = Trainer(cfg)
+    checkpoint.load(resumed.model, resumed.optimizer, checkpoint.checkpoints(trainer.dir)[-1])
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(resumed.optimizer.state.get(p) for p in resumed.model.parameters())
