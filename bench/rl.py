@@ -5,7 +5,9 @@ worker, bubblewrap sandboxes, one vLLM CPU server, the trainer process, weight r
 One vLLM server is started for the benchmark and shared by the jobs (each job's trainer loads
 its initial weights into it first); each job gets its own data folder (database, trainer). For
 each `max_off_policy_steps` (0: synchronous, sampling waits for the trainer's newest version;
-1 and 2: sampling runs ahead) the same job runs `--steps` steps, evaluation off. Reported, over
+1 and 2: sampling runs ahead) the same job runs `--steps` steps, evaluation off. The random
+policy earns no reward, so the trainer trains on every sample (sft = true): a step costs what a
+step with rewards would (the loss differs, not the work). Reported, over
 the warm steps (step 2 on): steps per hour, and the trainer's time split into waiting for
 rollouts, training and publishing (weights written, version recorded, fleet reloaded).
 
@@ -50,6 +52,7 @@ max_off_policy_steps = {mode}
 agent = {{ max_turns = {turns}, sampling = {{ max_tokens = {tokens} }} }}
 [trainer]
 fill_useful = false
+sft = true                    # the random policy earns no reward: train on every sample, so a step costs what it would
 checkpoint_every = 1000
 optim = {{ lr = 1e-4 }}
 data = {{ seq_len = 8192 }}
@@ -125,7 +128,7 @@ def main() -> None:
                                                          intermediate_size=3 * args.hidden, heads=8, kv_heads=4,
                                                          head_dim=args.hidden // 8))
         server = VLLMServer(model, free_port(), served_name="policy", max_model_len=8192,
-                            log_path=root / "vllm.log").start()
+                            log_path=root / "vllm.log", die_with_parent=True).start()
         try:
             server.wait_ready()
             results = [run_job(mode, args, model, server.url, root) for mode in args.modes]

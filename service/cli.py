@@ -173,7 +173,7 @@ def rl(
     try:
         status = asyncio.run(job.run_job(settings, cfg, Console(width=None if sys.stdout.isatty() else 160)))
     except KeyboardInterrupt:
-        typer.echo("stopped; run the same command again to resume the job")
+        typer.echo("stopped (a job that had not finished resumes with the same command)")
         raise typer.Exit(130) from None
     except job.ConfigError as e:
         typer.secho(f"{path}: {e}", fg="red", err=True)

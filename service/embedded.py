@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import asynccontextmanager
 import time
 import uuid
 from dataclasses import dataclass
@@ -82,14 +83,7 @@ def summary_table(run_id: uuid.UUID, state: dict, elapsed_s: float):
 
 async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> str:
     """Returns the run's final status (after serving, when serve_after)."""
-    import uvicorn
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from service.store import db
-    from service.app import create_app
-    from service.control.runs import create_run
-    from service.worker.config import RunConfig
-    from service.store.status import RUN_ACTIVE
 
     url = settings.resolved_database_url
     db.upgrade(url)
@@ -100,57 +94,83 @@ async def run_embedded(settings: Settings, opts: EmbeddedOptions, console) -> st
     if opts.sampler == "vllm" and not endpoints:
         vllm = start_vllm(settings, model, opts.vllm_port, console)
         endpoints = [vllm.url]
+    try:
+        async with serve_app(settings, opts.host, opts.port) as (app, serving):
+            return await _sample(app, serving, opts, suite_id, model, endpoints, console)
+    finally:
+        if vllm is not None:
+            vllm.stop()
+
+
+@asynccontextmanager
+async def serve_app(settings: Settings, host: str, port: int):
+    """The API and UI served in this process (with its orchestrators and, on the embedded broker,
+    its worker), once it listens: yields the app and the serving task (await it to serve until
+    Ctrl-C); stopped on the way out."""
+    import uvicorn
+
+    from service.app import create_app
+
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_config=None, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, log_level="warning"))
     serving = asyncio.get_running_loop().create_task(server.serve())
     try:
         while not server.started:
             if serving.done():
                 await serving
-                raise RuntimeError(f"the API could not listen on {opts.host}:{opts.port}")
+                raise RuntimeError(f"the API could not listen on {host}:{port}")
             await asyncio.sleep(0.05)
-        sampler = ({"type": "vllm", "endpoints": endpoints, "tokenizer": str(model)} if opts.sampler == "vllm"
-                   else {"type": "oracle", "tokenizer": str(model)})  # fmt: skip
-        cfg = RunConfig.model_validate({
-            "suite_id": suite_id, "name": f"embedded {opts.suite.name}", "sampler": sampler,
-            "samples_per_task": opts.samples_per_task, "concurrency": opts.concurrency,
-            "agent": {"max_turns": opts.max_turns, "sampling": {"max_tokens": opts.max_tokens}},
-        } | ({"instance_ids": list(opts.instance_ids)} if opts.instance_ids else {}))  # fmt: skip
-        engine: AsyncEngine = app.state.engine
-        run_id = await create_run(engine, cfg)
-        app.state.supervisor.start(run_id)
-        console.print(f"run {run_id}: {opts.suite.name}, sampler {opts.sampler}, "
-                      f"{opts.samples_per_task} samples per task, {opts.concurrency} in flight")
-        started = time.monotonic()
-        columns = (TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[detail]}"))
-        with Progress(*columns, console=console) as bar:
-            job = bar.add_task("episodes", total=None, detail="")
-            while True:
-                state = await progress_counts(engine, run_id)
-                total = sum(state["episodes"].values())
-                final = state["final"]
-                reward = "-" if state["reward_mean"] is None else f"{state['reward_mean']:.2f}"
-                detail = (f"running {state['episodes'].get('running', 0)}  reward {reward}  "
-                          f"tokens {state['input_tokens'] + state['output_tokens']:,}")
-                bar.update(job, total=total, completed=final, detail=detail)
-                if state["status"] not in RUN_ACTIVE:
-                    break
-                await asyncio.sleep(0.5)
-        console.print(summary_table(run_id, state, time.monotonic() - started))
-        if opts.serve_after:
-            console.print(f"the service stays up: http://{opts.host}:{opts.port}/  "
-                          f"(API docs: http://{opts.host}:{opts.port}/docs); Ctrl-C stops it")
-            await serving
-        return state["status"]
+        yield app, serving
     finally:
         server.should_exit = True
         try:
             await asyncio.wait_for(serving, 60)
         except (asyncio.TimeoutError, asyncio.CancelledError, SystemExit):
             pass
-        if vllm is not None:
-            vllm.stop()
+
+
+async def _sample(app, serving, opts: EmbeddedOptions, suite_id: uuid.UUID, model: Path, endpoints: list[str],
+                  console) -> str:  # fmt: skip
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from service.control.runs import create_run
+    from service.store.status import RUN_ACTIVE
+    from service.worker.config import RunConfig
+
+    sampler = ({"type": "vllm", "endpoints": endpoints, "tokenizer": str(model)} if opts.sampler == "vllm"
+               else {"type": "oracle", "tokenizer": str(model)})  # fmt: skip
+    cfg = RunConfig.model_validate({
+        "suite_id": suite_id, "name": f"embedded {opts.suite.name}", "sampler": sampler,
+        "samples_per_task": opts.samples_per_task, "concurrency": opts.concurrency,
+        "agent": {"max_turns": opts.max_turns, "sampling": {"max_tokens": opts.max_tokens}},
+    } | ({"instance_ids": list(opts.instance_ids)} if opts.instance_ids else {}))  # fmt: skip
+    engine: AsyncEngine = app.state.engine
+    run_id = await create_run(engine, cfg)
+    app.state.supervisor.start(run_id)
+    console.print(f"run {run_id}: {opts.suite.name}, sampler {opts.sampler}, "
+                  f"{opts.samples_per_task} samples per task, {opts.concurrency} in flight")
+    started = time.monotonic()
+    columns = (TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[detail]}"))
+    with Progress(*columns, console=console) as bar:
+        job = bar.add_task("episodes", total=None, detail="")
+        while True:
+            state = await progress_counts(engine, run_id)
+            total = sum(state["episodes"].values())
+            final = state["final"]
+            reward = "-" if state["reward_mean"] is None else f"{state['reward_mean']:.2f}"
+            detail = (f"running {state['episodes'].get('running', 0)}  reward {reward}  "
+                      f"tokens {state['input_tokens'] + state['output_tokens']:,}")
+            bar.update(job, total=total, completed=final, detail=detail)
+            if state["status"] not in RUN_ACTIVE:
+                break
+            await asyncio.sleep(0.5)
+    console.print(summary_table(run_id, state, time.monotonic() - started))
+    if opts.serve_after:
+        console.print(f"the service stays up: http://{opts.host}:{opts.port}/  "
+                      f"(API docs: http://{opts.host}:{opts.port}/docs); Ctrl-C stops it")
+        await serving
+    return state["status"]
 
 
 async def import_suite(settings: Settings, path: Path, console) -> uuid.UUID:

@@ -283,11 +283,8 @@ async def _suite_tasks(engine, suite_id: uuid.UUID, section: str, instance_ids, 
 
 async def run_job(settings: Settings, cfg: RLConfig, console) -> str:
     """The job to its end (then serving, with serve.after); returns the training run's status."""
-    import uvicorn
-
-    from service.app import create_app
     from service.control.runs import create_run
-    from service.embedded import start_vllm, tiny_model
+    from service.embedded import serve_app, start_vllm, tiny_model
     from service.store import db
     from service.store.db import make_async_engine
     from service.store.status import RUN_ACTIVE
@@ -326,73 +323,76 @@ async def run_job(settings: Settings, cfg: RLConfig, console) -> str:
         endpoints = [vllm.url]
     if resuming:  # before any orchestrator reads the run: its servers may listen elsewhere now
         await _update_endpoints(url, existing.id, endpoints)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, log_config=None,
-                                           log_level="warning"))
-    serving = asyncio.get_running_loop().create_task(server.serve())
-    trainer = None
+    trainer: subprocess.Popen | None = None
     try:
-        while not server.started:
-            if serving.done():
-                await serving
-                raise RuntimeError(f"the API could not listen on {cfg.serve.host}:{cfg.serve.port}")
-            await asyncio.sleep(0.05)
-        engine = app.state.engine
-        status = existing.status if existing is not None else None
-        if existing is None or resuming:
-            if resuming:
-                run_id = existing.id
-                console.print(f"resuming job {cfg.job.name!r}: run {run_id}")
-            else:
-                run_id = await create_run(engine, run_config(cfg, suite_id, eval_id, model, endpoints))
-                console.print(f"job {cfg.job.name!r}: training run {run_id}, {cfg.job.steps} steps of "
-                              f"{cfg.suite.groups_per_step} groups over {n_tasks} tasks")
-            app.state.supervisor.start(run_id)
-            config_path = job_dir / f"{cfg.job.name}.trainer.json"
-            config_path.write_text(json.dumps(trainer_config(cfg, model, job_dir, endpoints, run_id), indent=2))
-            command = trainer_command(cfg, config_path)
-            if cfg.trainer.launch == "local":
-                log = job_dir / f"{cfg.job.name}.trainer.log"
-                console.print(f"trainer: {' '.join(command)}  (log: {log})")
-                env = os.environ | {"SWERVE_DATABASE_URL": url}
-                trainer = subprocess.Popen(command, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                           preexec_fn=die_with_parent)
-            else:
-                console.print("start the trainer on the cluster with SWERVE_DATABASE_URL set to this job's "
-                              f"database:\n  {' '.join(command)}")
-            trackers = None
-            if cfg.trackers.enabled:
-                try:
-                    trackers = Trackers(cfg.trackers, job_dir / f"{cfg.job.name}.trackers", cfg.job.name,
-                                        str(run_id), cfg.model_dump(mode="json"))
-                except TrackerUnavailable as e:
-                    raise ConfigError(str(e)) from e
+        async with serve_app(settings, cfg.serve.host, cfg.serve.port) as (app, serving):
             try:
-                status = await _follow(engine, run_id, trainer, console, trackers)
+                status = existing.status if existing is not None else None
+                if existing is None or resuming:
+                    run_id = existing.id if resuming else await create_run(
+                        app.state.engine, run_config(cfg, suite_id, eval_id, model, endpoints))
+                    console.print(f"resuming job {cfg.job.name!r}: run {run_id}" if resuming else
+                                  f"job {cfg.job.name!r}: training run {run_id}, {cfg.job.steps} steps of "
+                                  f"{cfg.suite.groups_per_step} groups over {n_tasks} tasks")
+                    app.state.supervisor.start(run_id)
+                    trainer = _launch_trainer(cfg, url, model, job_dir, endpoints, run_id, console)
+                    status = await _follow_with_trackers(app.state.engine, cfg, job_dir, run_id, trainer, console)
+                if cfg.serve.after:
+                    console.print(f"the service stays up: http://{cfg.serve.host}:{cfg.serve.port}/  "
+                                  f"(API docs: http://{cfg.serve.host}:{cfg.serve.port}/docs); Ctrl-C stops it")
+                    await serving
+                return status
             finally:
-                if trackers is not None:
-                    trackers.close()
-        if cfg.serve.after:
-            console.print(f"the service stays up: http://{cfg.serve.host}:{cfg.serve.port}/  "
-                          f"(API docs: http://{cfg.serve.host}:{cfg.serve.port}/docs); Ctrl-C stops it")
-            await serving
-        return status
+                _stop(trainer)
     finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.send_signal(signal.SIGINT)
-            try:
-                trainer.wait(30)
-            except subprocess.TimeoutExpired:
-                trainer.kill()
-                trainer.wait()
-        server.should_exit = True
-        try:
-            await asyncio.wait_for(serving, 60)
-        except (asyncio.TimeoutError, asyncio.CancelledError, SystemExit):
-            pass
         if vllm is not None:
             vllm.stop()
 
+
+def _launch_trainer(cfg: RLConfig, url: str, model: Path, job_dir: Path, endpoints: list[str],
+                    run_id: uuid.UUID, console) -> subprocess.Popen | None:  # fmt: skip
+    """The trainer's config written in the job's folder, and its process started (launch =
+    "local", dying with the job) or its command printed for the cluster's launcher."""
+    config_path = job_dir / f"{cfg.job.name}.trainer.json"
+    config_path.write_text(json.dumps(trainer_config(cfg, model, job_dir, endpoints, run_id), indent=2))
+    command = trainer_command(cfg, config_path)
+    if cfg.trainer.launch != "local":
+        console.print("start the trainer on the cluster with SWERVE_DATABASE_URL set to this job's "
+                      f"database:\n  {' '.join(command)}")
+        return None
+    log = job_dir / f"{cfg.job.name}.trainer.log"
+    console.print(f"trainer: {' '.join(command)}  (log: {log})")
+    return subprocess.Popen(command, env=os.environ | {"SWERVE_DATABASE_URL": url}, stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+
+
+def _stop(trainer: subprocess.Popen | None) -> None:
+    """The trainer interrupted as Ctrl-C would (it resumes from its last checkpoint), killed if it
+    does not stop within 30 s."""
+    if trainer is None or trainer.poll() is not None:
+        return
+    trainer.send_signal(signal.SIGINT)
+    try:
+        trainer.wait(30)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        trainer.wait()
+
+
+async def _follow_with_trackers(engine, cfg: RLConfig, job_dir: Path, run_id: uuid.UUID,
+                                trainer: subprocess.Popen | None, console) -> str:  # fmt: skip
+    trackers = None
+    if cfg.trackers.enabled:
+        try:
+            trackers = Trackers(cfg.trackers, job_dir / f"{cfg.job.name}.trackers", cfg.job.name, str(run_id),
+                                cfg.model_dump(mode="json"))
+        except TrackerUnavailable as e:
+            raise ConfigError(str(e)) from e
+    try:
+        return await _follow(engine, run_id, trainer, console, trackers)
+    finally:
+        if trackers is not None:
+            trackers.close()
 
 async def _suite(engine, settings: Settings, section, name: str, console) -> uuid.UUID:
     from service.embedded import import_suite

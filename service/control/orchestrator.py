@@ -1,6 +1,8 @@
 """The orchestrator of a run: keeps `concurrency` episodes in flight, starts the samples of a
 task together (a group), holds back new groups that would train too far off-policy, stops a
-run whose sandboxes or fleet keep failing, finishes or cancels it.
+run whose sandboxes or fleet keep failing, finishes or cancels it. For a training run it also
+adds the groups as it needs them, starts the evaluations and decides the end
+(service.control.training).
 
 One owner per run: an orchestrator holds a lease on the run row (`owner`,
 `owner_heartbeat_at`) that every tick renews under the row's lock; another process takes the
