@@ -11,7 +11,11 @@ step with rewards would (the loss differs, not the work). Reported, over
 the warm steps (step 2 on): steps per hour, and the trainer's time split into waiting for
 rollouts, training and publishing (weights written, version recorded, fleet reloaded).
 
-    .venv/bin/python bench/rl.py [--steps 8] [--modes 0 1 2] [--hidden 512 --layers 4]
+With `--pin`, the vLLM server runs on CPU 0 and the job (worker, sandboxes, trainer) on CPU 1,
+as inference and training have their own devices in a real deployment; without it they share
+both cores, and each slows the other down when they overlap.
+
+    .venv/bin/python bench/rl.py [--steps 8] [--modes 0 1 2] [--hidden 512 --layers 4] [--pin]
 """
 
 from __future__ import annotations
@@ -66,6 +70,13 @@ after = false
 """
 
 
+class PinnedServer(VLLMServer):
+    """The vLLM server on CPU 0 only."""
+
+    def command(self) -> list[str]:
+        return ["taskset", "-c", "0", *super().command()]
+
+
 def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -83,7 +94,8 @@ def run_job(mode: int, args, model: Path, url: str, root: Path) -> dict:
                                     port=free_port()))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"SWERVE_DATA_DIR": str(folder)}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "service.cli", "rl", "--config", str(config)], env=env,
+    pin = ["taskset", "-c", "1"] if args.pin else []
+    done = subprocess.run([*pin, sys.executable, "-m", "service.cli", "rl", "--config", str(config)], env=env,
                           capture_output=True, text=True)
     wall = time.monotonic() - started
     if done.returncode != 0:
@@ -121,14 +133,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--hidden", type=int, default=512, help="the policy's hidden size (training must cost time)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--pin", action="store_true", help="vLLM on CPU 0, the job on CPU 1")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
         root = Path(tmp)
         model = init_tiny(root / "policy", TinyModelSpec(hidden_size=args.hidden, layers=args.layers,
                                                          intermediate_size=3 * args.hidden, heads=8, kv_heads=4,
                                                          head_dim=args.hidden // 8))
-        server = VLLMServer(model, free_port(), served_name="policy", max_model_len=8192,
-                            log_path=root / "vllm.log", die_with_parent=True).start()
+        server = (PinnedServer if args.pin else VLLMServer)(
+            model, free_port(), served_name="policy", max_model_len=8192, log_path=root / "vllm.log",
+            die_with_parent=True).start()
         try:
             server.wait_ready()
             results = [run_job(mode, args, model, server.url, root) for mode in args.modes]
@@ -137,7 +151,8 @@ def main() -> None:
     sync = next((r for r in results if r["mode"] == 0), None)
     print(f"machine: {os.cpu_count()} cores, {cpu_name()}")
     print(f"policy: Qwen3 hidden {args.hidden}, {args.layers} layers; {args.groups} groups x {args.samples} samples "
-          f"per step, {args.turns} turns x {args.tokens} tokens, {args.steps} steps")
+          f"per step, {args.turns} turns x {args.tokens} tokens, {args.steps} steps; "
+          + ("vLLM on CPU 0, the job on CPU 1" if args.pin else "vLLM and the job share the CPUs"))
     print("| max_off_policy_steps | steps/h (warm) | vs sync | s/step | trainer waiting | training | publishing |"
           " staleness |")
     print("|---|---|---|---|---|---|---|---|")
