@@ -282,14 +282,15 @@ async def _suite_tasks(engine, suite_id: uuid.UUID, section: str, instance_ids, 
 
 
 async def run_job(settings: Settings, cfg: RLConfig, console) -> str:
-    """The job to its end (then serving, with serve.after); returns the training run's status."""
+    """The job to its end (then serving, with serve.after); returns the training run's status.
+    `cfg` has passed `check` (the command line checks it before anything starts); what needs the
+    database is checked here, still before any server or trainer starts."""
     from service.control.runs import create_run
     from service.embedded import serve_app, start_vllm, tiny_model
     from service.store import db
     from service.store.db import make_async_engine
     from service.store.status import RUN_ACTIVE
 
-    check(cfg)
     url = settings.resolved_database_url
     db.upgrade(url)
     engine = make_async_engine(url)

@@ -102,10 +102,7 @@ async def start_evaluation(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunCon
         return
     if fleet_version is None or fleet_version < version:
         return
-    published = await conn.scalar(sa.select(Policy.created_at).where(Policy.version == version))
-    exists = await conn.scalar(sa.select(Run.id).where(
-        Run.parent_id == run_id, Run.kind == "eval", Run.policy_version == version, Run.created_at >= published))
-    if exists is None:
+    if await Buffer.evaluation_status(conn, run_id, version) is None:
         await create_eval(conn, run_id, cfg, version)
 
 
@@ -127,10 +124,7 @@ async def evaluation_pending(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunC
     ev = cfg.training.eval
     if ev is None or not eval_due(version, ev.every, cfg.training.steps):
         return False
-    published = await conn.scalar(sa.select(Policy.created_at).where(Policy.version == version))
-    status = await conn.scalar(sa.select(Run.status).where(
-        Run.parent_id == run_id, Run.kind == "eval", Run.policy_version == version, Run.created_at >= published)
-        .order_by(Run.created_at.desc()).limit(1))
+    status = await Buffer.evaluation_status(conn, run_id, version)
     return status is None or status in RUN_ACTIVE
 
 

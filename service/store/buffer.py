@@ -522,16 +522,21 @@ class Buffer:
         async with self.engine.connect() as conn:
             return await conn.scalar(sa.select(Policy.version).where(Policy.version == version)) is not None
 
-    async def evaluation(self, run_id: uuid.UUID, version: int) -> str | None:
+    @staticmethod
+    async def evaluation_status(conn: AsyncConnection, run_id: uuid.UUID, version: int) -> str | None:
         """The status of the training run's newest evaluation of `version` made after that
         version was published (an earlier one evaluated withdrawn weights); None: none yet."""
+        published = await conn.scalar(sa.select(Policy.created_at).where(Policy.version == version))
+        if published is None:
+            return None
+        return await conn.scalar(sa.select(Run.status).where(
+            Run.parent_id == run_id, Run.kind == "eval", Run.policy_version == version,
+            Run.created_at >= published).order_by(Run.created_at.desc()).limit(1))
+
+    async def evaluation(self, run_id: uuid.UUID, version: int) -> str | None:
+        """evaluation_status, for the trainer."""
         async with self.engine.connect() as conn:
-            published = await conn.scalar(sa.select(Policy.created_at).where(Policy.version == version))
-            if published is None:
-                return None
-            return await conn.scalar(sa.select(Run.status).where(
-                Run.parent_id == run_id, Run.kind == "eval", Run.policy_version == version,
-                Run.created_at >= published).order_by(Run.created_at.desc()).limit(1))
+            return await Buffer.evaluation_status(conn, run_id, version)
 
     async def schedule_done(self, run_id: uuid.UUID) -> bool:
         """Whether a training run will make no more groups to train on: it ended, or its
