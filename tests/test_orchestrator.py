@@ -194,6 +194,42 @@ async def test_a_zombie_attempt_can_write_nothing(engine):
     assert turns == [0] and group == "pending"  # the other sample of the group is not final
 
 
+async def test_a_process_running_two_attempts_of_one_episode_stops_the_old_one(engine):
+    """A worker whose heartbeat lapsed under load is handed the episode's next attempt while its
+    old attempt still runs: the shared heartbeat tells the old one it was superseded (and keeps
+    beating for the new one), instead of the new attempt taking over the old one's entry."""
+    import asyncio
+
+    from service.worker.executor import Heartbeat, _supervised
+
+    run_id = await make_run(engine, sampler="oracle")
+    async with engine.begin() as conn:
+        episode_id = await conn.scalar(sa.select(Episode.id).where(Episode.run_id == run_id).limit(1))
+        await conn.execute(sa.update(Episode).where(Episode.id == episode_id).values(status="queued"))
+    _, _, first = await _start(engine, episode_id)
+    never = asyncio.get_running_loop().create_future()
+    old = asyncio.ensure_future(_supervised(engine, run_id, episode_id, first, never, poll_s=0.05))
+    await asyncio.sleep(0.2)
+    async with engine.begin() as conn:  # presumed dead: the orchestrator restarts it
+        await Buffer.restart_attempts(conn, [episode_id])
+    _, _, second = await _start(engine, episode_id)
+    release = asyncio.get_running_loop().create_future()
+    new = asyncio.ensure_future(_supervised(engine, run_id, episode_id, second, release, poll_s=0.05))
+    result = await asyncio.wait_for(old, 10)
+    assert result.status == "superseded" and never.cancelled()
+    assert not new.done()  # the live attempt is still watched and beating
+    async with engine.connect() as conn:
+        beat = await conn.scalar(sa.select(Episode.heartbeat_at).where(Episode.id == episode_id))
+    await asyncio.sleep(0.3)
+    async with engine.connect() as conn:
+        assert await conn.scalar(sa.select(Episode.heartbeat_at).where(Episode.id == episode_id)) > beat
+    from service.worker.agent import EpisodeResult
+
+    release.set_result(EpisodeResult(status="submitted"))
+    assert (await asyncio.wait_for(new, 10)).status == "submitted"
+    assert Heartbeat.of(engine, 0.05).episodes == {}
+
+
 async def test_lost_workers_episodes_go_back_to_queued_as_a_new_attempt(engine):
     run_id = await make_run(engine, sampler="oracle", worker_timeout_s=5)
     cfg = await config(engine, run_id)

@@ -166,7 +166,7 @@ async def _supervised(engine: AsyncEngine, run_id: uuid.UUID, episode_id: uuid.U
             pass
         return EpisodeResult(status=stop.result())
     finally:
-        beat.unwatch(episode_id)
+        beat.unwatch(episode_id, attempt)
         if not job.done():  # we were cancelled ourselves: the sandbox must still close
             job.cancel()
 
@@ -175,13 +175,17 @@ class Heartbeat:
     """One heartbeat for all the episodes an event loop runs: every poll_s, one UPDATE marks
     them alive and one SELECT reads their runs' statuses, however many episodes there are. An
     episode whose run is being cancelled, or whose attempt is no longer the running one, is
-    told through its stop future ("cancelled" / "superseded")."""
+    told through its stop future ("cancelled" / "superseded").
+
+    Watched by (episode, attempt): a worker whose own attempt was presumed dead (a heartbeat
+    that lapsed under load) may run the next attempt of the same episode beside it, and the
+    old attempt must still be told it was superseded, not lose its entry to the new one."""
 
     _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, engine: AsyncEngine, poll_s: float):
         self.engine, self.poll_s = engine, poll_s
-        self.episodes: dict[uuid.UUID, tuple[int, uuid.UUID, asyncio.Future]] = {}
+        self.episodes: dict[tuple[uuid.UUID, int], tuple[uuid.UUID, asyncio.Future]] = {}
         self.task: asyncio.Task | None = None
 
     @classmethod
@@ -193,13 +197,13 @@ class Heartbeat:
 
     def watch(self, episode_id: uuid.UUID, attempt: int, run_id: uuid.UUID) -> asyncio.Future:
         stop = asyncio.get_running_loop().create_future()
-        self.episodes[episode_id] = (attempt, run_id, stop)
+        self.episodes[(episode_id, attempt)] = (run_id, stop)
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._beat())
         return stop
 
-    def unwatch(self, episode_id: uuid.UUID) -> None:
-        self.episodes.pop(episode_id, None)
+    def unwatch(self, episode_id: uuid.UUID, attempt: int) -> None:
+        self.episodes.pop((episode_id, attempt), None)
 
     async def _beat(self) -> None:
         while self.episodes:
@@ -209,13 +213,13 @@ class Heartbeat:
                 break
             try:
                 async with self.engine.begin() as conn:
-                    alive = await Buffer.heartbeat(conn, list(watched))
+                    alive = await Buffer.heartbeat(conn, list({episode_id for episode_id, _ in watched}))
                     runs = dict((await conn.execute(sa.select(Run.id, Run.status).where(
-                        Run.id.in_({run_id for _, run_id, _ in watched.values()})))).all())
+                        Run.id.in_({run_id for run_id, _ in watched.values()})))).all())
             except (OperationalError, InterfaceError, PoolTimeout) as e:  # keep working; turns wait for it
                 logger.warning("heartbeat of %d episode(s) failed: %s", len(watched), str(e).splitlines()[0][:200])
                 continue
-            for episode_id, (attempt, run_id, stop) in watched.items():
+            for (episode_id, attempt), (run_id, stop) in watched.items():
                 status = runs.get(run_id)
                 why = "superseded" if alive.get(episode_id) != attempt else (
                     "cancelled" if status not in RUN_ACTIVE or status == "cancelling" else None)
