@@ -138,7 +138,7 @@ async def _sample(app, serving, opts: EmbeddedOptions, suite_id: uuid.UUID, mode
     from service.worker.config import RunConfig
 
     sampler = ({"type": "vllm", "endpoints": endpoints, "tokenizer": str(model)} if opts.sampler == "vllm"
-               else {"type": "oracle", "tokenizer": str(model)})  # fmt: skip
+               else {"type": opts.sampler, "tokenizer": str(model)})  # fmt: skip
     cfg = RunConfig.model_validate({
         "suite_id": suite_id, "name": f"embedded {opts.suite.name}", "sampler": sampler,
         "samples_per_task": opts.samples_per_task, "concurrency": opts.concurrency,

@@ -311,6 +311,48 @@ async def test_sft_warm_start_lowers_the_nll_of_scripted_trajectories(engine, ti
     assert nll(trainer.model) < before - 0.1
 
 
+async def test_a_dataset_trains_epoch_after_epoch_on_the_same_groups_and_claims_none(engine, tiny, tmp_path):
+    """trainer.dataset (SFT on demonstrations): the run's groups are a fixed dataset, taken
+    groups_per_step at a time in an order shuffled per epoch; nothing is claimed or consumed, a
+    resumed trainer goes on where its step says, and `epochs` ends it."""
+    from service.store.tables import Group
+    from trainer.config import TrainerConfig
+    from trainer.model import build_model
+    from trainer.train import Trainer
+
+    model, _, _ = build_model(tiny["dense"])
+    run_id = await fill_buffer(engine, model, [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+
+    def cfg(**kw) -> TrainerConfig:
+        return TrainerConfig(**{"model": tiny["dense"], "out_dir": tmp_path, "steps": 0, "groups_per_step": 2,
+                                "sft": True, "dataset": {"run_id": str(run_id)}, "optim": {"lr": 1e-3},
+                                "data": {"seq_len": 64}, "wait_s": 5} | kw)
+
+    history = await Trainer(cfg(until_step=3), engine).run()
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert [m["groups"] for m in history] == [2, 1, 2]  # 3 groups: 2 steps an epoch, the second smaller
+    assert all(m["staleness_mean"] is None and m["dropped_groups"] == 0 for m in history)
+    async with engine.connect() as conn:
+        statuses = (await conn.execute(sa.select(Group.status).where(Group.run_id == run_id))).scalars().all()
+    assert sorted(statuses) == ["ready"] * 3  # nothing claimed, nothing consumed
+    # resumed from step 3's checkpoint: one more step ends the second epoch, then epochs=2 stops it
+    history = await Trainer(cfg(dataset={"run_id": str(run_id), "epochs": 2}), engine).run()
+    assert [(m["step"], m["groups"]) for m in history] == [(4, 1)]
+
+
+async def test_a_time_limit_stops_the_trainer_after_a_step(engine, tiny, tmp_path):
+    from trainer.config import TrainerConfig
+    from trainer.model import build_model
+    from trainer.train import Trainer
+
+    model, _, _ = build_model(tiny["dense"])
+    run_id = await fill_buffer(engine, model, [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    cfg = TrainerConfig(model=tiny["dense"], out_dir=tmp_path, steps=0, groups_per_step=1, sft=True,
+                        dataset={"run_id": str(run_id)}, time_limit_s=1e-6, data={"seq_len": 64}, wait_s=5)
+    history = await Trainer(cfg, engine).run()
+    assert [m["step"] for m in history] == [1]
+
+
 async def test_sigkilled_trainer_process_resumes_exactly_once(migrated_pg_url, tiny, tmp_path):
     """`swerve train` killed with SIGKILL somewhere in its second step; started again, it goes
     on from its checkpoint: every group is consumed by exactly one step, versions 0..3 exist."""

@@ -61,6 +61,19 @@ def test_groups_filter_zero_advantage_and_unrewarded_episodes():
     assert [s.advantage for s in sft] == [1.0, 1.0] and sft_stats.zero_advantage_groups == 0
 
 
+def test_negative_scale_shrinks_only_the_failures_push():
+    def group(rewards):
+        return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), [
+            EpisodeData(uuid.uuid4(), i, "submitted", r, 0, [turn(0, 3, 2)]) for i, r in enumerate(rewards)])
+
+    seqs, _ = sequences_from_groups([group([1, 0, 0, 0])], DataConfig(negative_scale=0.0))
+    assert [s.advantage for s in seqs] == [0.75, 0.0, 0.0, 0.0]  # positive-advantage updates only
+    seqs, _ = sequences_from_groups([group([1, 0])], DataConfig(negative_scale=0.5))
+    assert [s.advantage for s in seqs] == [0.5, -0.25]
+    seqs, stats = sequences_from_groups([group([0, 0])], DataConfig(negative_scale=0.0))
+    assert seqs == [] and stats.zero_advantage_groups == 1
+
+
 def test_packing_respects_boundaries_and_shifts_targets():
     seqs = episode_sequences([turn(0, 5, 3, 0)], 1.0) + episode_sequences([turn(0, 4, 4, 50)], -1.0) \
         + episode_sequences([turn(0, 10, 7, 200)], 0.5)

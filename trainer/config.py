@@ -50,6 +50,18 @@ class ParallelismConfig(BaseModel):
         return self.data_parallel_shard_degree if self.data_parallel_shard_degree > 0 else self.world_size // rest
 
 
+class DatasetConfig(BaseModel):
+    """Train on a finished run's groups as a fixed dataset (SFT on demonstrations): every step
+    takes the next groups_per_step of them, in an order shuffled per epoch with the trainer's
+    seed, and claims nothing, so the same trajectories serve epoch after epoch."""
+
+    model_config = ConfigDict(extra="forbid")
+    run_id: uuid.UUID
+    """The run whose ready (or consumed) groups are the dataset."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the dataset (None: as many as steps, until_step or time_limit_s allow)."""
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -109,6 +121,10 @@ class TrainerConfig(BaseModel):
     seed: int = 0
     sft: bool = False
     """SFT on the same data path: loss on sampled tokens with advantage 1 (e.g. oracle runs)."""
+    dataset: DatasetConfig | None = None
+    """Train on a run's groups as a fixed dataset instead of claiming from the buffer."""
+    time_limit_s: float | None = Field(None, gt=0)
+    """Stop after the first step that ends this long after this process started training."""
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     data: DataConfig = DataConfig()

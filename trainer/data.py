@@ -29,6 +29,10 @@ class DataConfig(BaseModel):
     """Tokens per packed row."""
     advantage_one: bool = False
     """SFT: every sampled token gets advantage 1 (no group statistics, no filtering)."""
+    negative_scale: float = Field(1.0, ge=0, le=1)
+    """Scales negative advantages: 1 is the plain group baseline, 0 learns only from samples
+    better than their group (positive-advantage updates, which keep a small warm-started
+    policy's tool-call format stable where pushing failures down breaks it)."""
 
 
 @dataclass
@@ -98,6 +102,7 @@ def group_advantages_of(group, cfg: DataConfig) -> tuple[list, np.ndarray] | Non
     if cfg.advantage_one:
         return episodes, np.ones(len(episodes))
     adv = group_advantages([float(e.reward) for e in episodes], cfg)
+    adv = np.where(adv < 0, adv * cfg.negative_scale, adv)
     return None if np.all(np.abs(adv) < cfg.eps) else (episodes, adv)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,7 @@ class Trainer:
         test); the loop (`run`) needs the database there."""
         self.cfg, self.step = cfg, 0
         self.buffer = Buffer(engine) if engine is not None else None
+        self._dataset: list[GroupData] | None = None
         self.dir = cfg.out_dir / cfg.name
         self.ranks = Ranks.joined(cfg)
         self.device = self.ranks.device
@@ -113,7 +115,7 @@ class Trainer:
         if self.ranks.rank == 0 and self.buffer is None:
             raise ValueError("Trainer.run needs a database engine")
         await self.resume()
-        history = []
+        history, started = [], time.monotonic()
         while self.cfg.steps == 0 or len(history) < self.cfg.steps:
             if self.cfg.until_step is not None and self.step >= self.cfg.until_step:
                 break
@@ -144,6 +146,9 @@ class Trainer:
             if self.ranks.rank == 0:
                 self._record(metrics)
             history.append(metrics)
+            if self.cfg.time_limit_s is not None and time.monotonic() - started >= self.cfg.time_limit_s:
+                logger.info("stopping at step %d: time_limit_s (%s s) reached", self.step, self.cfg.time_limit_s)
+                break
         return history
 
     # ---- rank 0 and the buffer ---------------------------------------------------------------------
@@ -177,13 +182,17 @@ class Trainer:
                 raise RuntimeError(f"rank 0 stopped: {handout.error}")
             return [], handout
         try:
-            claims, groups, dropped, useless = await self.claim()
+            if self.cfg.dataset is not None:
+                claims, groups, dropped, useless = [], await self.dataset_groups(), 0, 0
+            else:
+                claims, groups, dropped, useless = await self.claim()
         except ScheduleDone as e:
             self.ranks.share(Handout(error=f"{ScheduleDone.__name__}: {e}", done=True))
             raise
         try:
-            staleness = [self.step - g.episodes[0].policy_version_min for g in groups
-                         if g.episodes and g.episodes[0].policy_version_min is not None]
+            staleness = [] if self.cfg.dataset is not None else [  # a dataset is off-policy by design
+                self.step - g.episodes[0].policy_version_min for g in groups
+                if g.episodes and g.episodes[0].policy_version_min is not None]
             handout = Handout(self.prepare(groups), dropped, useless, staleness)
         except Exception as e:
             self.ranks.share(Handout(error=f"{type(e).__name__}: {e}"))  # the other ranks stop too
@@ -229,6 +238,23 @@ class Trainer:
                 raise TimeoutError(f"no {self.cfg.groups_per_step} useful ready groups within {self.cfg.wait_s} s")
             await asyncio.sleep(1.0)
         return claims, taken, dropped, useless
+
+    async def dataset_groups(self) -> list[GroupData]:
+        """The step's groups of the fixed dataset (cfg.dataset): the next groups_per_step of an
+        order shuffled per epoch with the seed, so a resumed trainer takes up where the step
+        count says, and nothing is claimed."""
+        if self._dataset is None:
+            ids = await self.buffer.trained_group_ids(self.cfg.dataset.run_id)
+            self._dataset = await self.buffer.load_groups(ids)
+            if not self._dataset:
+                raise ScheduleDone(f"run {self.cfg.dataset.run_id} has no groups to train on (dataset.run_id)")
+        per_epoch = -(-len(self._dataset) // self.cfg.groups_per_step)
+        epoch, index = divmod(self.step, per_epoch)
+        if self.cfg.dataset.epochs is not None and epoch >= self.cfg.dataset.epochs:
+            raise ScheduleDone(f"dataset: {self.cfg.dataset.epochs} epoch(s) of {len(self._dataset)} group(s) done")
+        order = list(self._dataset)
+        random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return order[index * self.cfg.groups_per_step:(index + 1) * self.cfg.groups_per_step]
 
     def prepare(self, groups: list[GroupData]) -> Batch:
         """Sequences of the groups' turns, packed into rows."""

@@ -16,8 +16,9 @@ TURN_ANSWERS = ("text", "tool_call", "observation",
 
 
 def is_oracle(run_config: dict) -> bool:
-    """Whether a run's episodes are the gold patch applied through the tools."""
-    return (run_config.get("sampler") or {}).get("type") == "oracle"
+    """Whether a run's episodes are the gold patch applied through the tools (the oracle, or a
+    demonstration of the same fix as an edit)."""
+    return (run_config.get("sampler") or {}).get("type") in ("oracle", "demo")
 
 
 def _withhold(obj: dict, fields) -> dict:

@@ -330,11 +330,23 @@ class Buffer:
             await conn.execute(sa.update(Group).where(Group.claim_id == claim.id, Group.status == "claimed")
                                .values(**GIVEN_BACK))
 
+    async def trained_group_ids(self, run_id: uuid.UUID) -> list[uuid.UUID]:
+        """The run's groups that are (or were) there to train on: ready, claimed or consumed;
+        in a fixed order. A dataset for training on the same trajectories more than once."""
+        async with self.engine.connect() as conn:
+            return list((await conn.execute(sa.select(Group.id).where(
+                Group.run_id == run_id, Group.status.in_(("ready", "claimed", "consumed")))
+                .order_by(Group.id))).scalars())
+
     async def load(self, claim: Claim) -> list[GroupData]:
         """The claimed groups with their episodes and decoded turns."""
+        return await self.load_groups(claim.group_ids)
+
+    async def load_groups(self, group_ids: list[uuid.UUID]) -> list[GroupData]:
+        """These groups with their episodes and decoded turns."""
         async with self.engine.connect() as conn:
-            groups = (await conn.execute(sa.select(Group).where(Group.id.in_(claim.group_ids)))).all()
-            episodes = (await conn.execute(sa.select(Episode).where(Episode.group_id.in_(claim.group_ids))
+            groups = (await conn.execute(sa.select(Group).where(Group.id.in_(group_ids)))).all()
+            episodes = (await conn.execute(sa.select(Episode).where(Episode.group_id.in_(group_ids))
                                            .order_by(Episode.sample_index))).all()
             turns = await _fetch_turns(conn, [e.id for e in episodes])
         by_episode: dict[uuid.UUID, list[TurnRecord]] = {}
@@ -347,7 +359,7 @@ class Buffer:
         for e in episodes:
             out[e.group_id].episodes.append(EpisodeData(e.id, e.sample_index, e.status, e.reward,
                                                         e.policy_version_min, by_episode.get(e.id, [])))
-        return [out[g] for g in claim.group_ids if g in out]
+        return [out[g] for g in group_ids if g in out]
 
     @staticmethod
     async def create_run(conn: AsyncConnection, run_id: uuid.UUID, *, suite_id: uuid.UUID, name: str | None,

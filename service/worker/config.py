@@ -25,6 +25,16 @@ class OracleSamplerConfig(BaseModel):
     """Model folder whose tokenizer and chat template render the episode."""
 
 
+class DemoSamplerConfig(BaseModel):
+    """Scripted: a demonstration of the fix a model could learn to make, derived from each task's
+    gold patch (view the file, str_replace the changed lines, submit): the trajectories SFT
+    warm-starts a policy on (not trainable as samples of a policy; an SFT trainer takes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["demo"] = "demo"
+    tokenizer: Path
+
+
 class VLLMSamplerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["vllm"] = "vllm"
@@ -48,7 +58,8 @@ class ReplaySamplerConfig(BaseModel):
     """Simulated model latency per call (s)."""
 
 
-SamplerConfig = Annotated[OracleSamplerConfig | VLLMSamplerConfig | ReplaySamplerConfig, Field(discriminator="type")]
+SamplerConfig = Annotated[OracleSamplerConfig | DemoSamplerConfig | VLLMSamplerConfig | ReplaySamplerConfig,
+                          Field(discriminator="type")]
 
 
 class FilterConfig(BaseModel):

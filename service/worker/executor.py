@@ -25,7 +25,7 @@ from service.worker.agent import EpisodeResult, TokenRenderer, failure_status, r
 from service.store.buffer import Buffer, StorageError, Superseded, TurnsLost
 from service.config import Settings
 from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_tokenizer
-from service.worker.scripted import oracle, replay
+from service.worker.scripted import demonstration, oracle, replay
 from service.worker.config import RunConfig
 from service.store.tasks import task_from_row
 from service.store.tables import Episode, Run, Task, utcnow
@@ -236,6 +236,8 @@ async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, epis
         env = SWEEnv(task, sandbox, env_cfg)
         if cfg.sampler.type == "oracle":
             return await run_episode(oracle(tokenizer, task), env, renderer, cfg.agent, sink)
+        if cfg.sampler.type == "demo":
+            return await run_episode(demonstration(tokenizer, task), env, renderer, cfg.agent, sink)
         if cfg.sampler.type == "replay":
             sampler = replay(tokenizer, cfg.sampler.calls, cfg.sampler.latency_s)
             return await run_episode(sampler, env, renderer, cfg.agent, sink)

@@ -1,5 +1,7 @@
 """Scripted samplers for harness and pipeline checks: `oracle` (applies the gold patch through
-the editor and bash tools, then submits) and `replay` (replays recorded tool calls). They go
+the editor and bash tools, then submits), `demo` (the fix as a model would make it: view the
+file, str_replace the lines the gold patch changes, submit; demonstrations for SFT) and
+`replay` (replays recorded tool calls). They go
 through the same loop and token path as a model, with the model's tokenizer, and are never
 trainable: their "samples" are the tokenizer's own encoding with logprob 0.
 """
@@ -51,6 +53,15 @@ def oracle_actions(task: Task) -> list[str]:
 
 def oracle(tokenizer, task: Task) -> ScriptedSampler:
     return ScriptedSampler(tokenizer, oracle_actions(task), name="oracle")
+
+
+def demonstration(tokenizer, task: Task) -> ScriptedSampler:
+    """The `demo` sampler of one task (envs.families.demo_calls: its gold patch as an edit)."""
+    from envs.families import demo_calls
+
+    calls = demo_calls({"instance_id": task.instance_id, "patch": task.patch or "",
+                        "problem_statement": task.problem_statement})
+    return ScriptedSampler(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls], name="demo")
 
 
 def replay(tokenizer, calls: list[dict], latency_s: float = 0.0) -> ScriptedSampler:
