@@ -19,10 +19,12 @@ db_app = typer.Typer(help="Database migrations.", no_args_is_help=True)
 suite_app = typer.Typer(help="Task suites.", no_args_is_help=True)
 model_app = typer.Typer(help="Local models.", no_args_is_help=True)
 inference_app = typer.Typer(help="Inference servers.", no_args_is_help=True)
+demo_app = typer.Typer(help="Demonstrations of the whole system.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(suite_app, name="suite")
 app.add_typer(model_app, name="model")
 app.add_typer(inference_app, name="inference")
+app.add_typer(demo_app, name="demo")
 
 
 def _settings() -> Settings:
@@ -83,7 +85,7 @@ def serve(
 @app.command()
 def run(
     suite: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="SWE-bench suite (JSONL or JSON).")] = None,
-    sampler: Annotated[str, typer.Option(help="vllm: the tiny model on a local vLLM CPU server; oracle: gold patches.")] = "vllm",
+    sampler: Annotated[str, typer.Option(help="vllm: the tiny model on a local vLLM CPU server; oracle: gold patches; demo: gold patches as a model would edit (SFT demonstrations).")] = "vllm",
     model: Annotated[Path | None, typer.Option(exists=True, file_okay=False, help="Model folder (default: a tiny Qwen3).")] = None,
     endpoint: Annotated[list[str] | None, typer.Option(help="A vLLM server already serving --model (repeatable); none: start one.")] = None,
     samples: Annotated[int, typer.Option(min=1, help="Episodes per task (group size).")] = 2,
@@ -108,8 +110,8 @@ def run(
     log_path = settings.data_dir / "swerve-run.log"
     setup_logging(settings.log_format, level="INFO", path=log_path)
     typer.echo(f"log: {log_path}")
-    if sampler not in ("vllm", "oracle"):
-        typer.secho(f"--sampler: must be vllm or oracle, got {sampler!r}", fg="red", err=True)
+    if sampler not in ("vllm", "oracle", "demo"):
+        typer.secho(f"--sampler: must be vllm, oracle or demo, got {sampler!r}", fg="red", err=True)
         raise typer.Exit(2)
     if settings.local_mode and not _is_loopback(host):
         typer.secho(f"SWERVE_API_TOKEN is unset: refusing to listen on {host}.", fg="red", err=True)
@@ -132,6 +134,43 @@ def run(
         raise typer.Exit(1) from e
     if status != "finished":
         raise typer.Exit(1)
+
+
+@demo_app.command("learn")
+def demo_learn(
+    seed: Annotated[int, typer.Option(help="Seed of the tasks, the model, the demonstrations and the RL job.")] = 0,
+    quick: Annotated[bool, typer.Option(help="Every stage on a few tasks for a few steps: the pipeline, not "
+                                             "the learning (minutes).")] = False,
+    results: Annotated[Path | None, typer.Option(help="Where the \"demo learn\" section goes (default: "
+                                                      "bench/RESULTS.md; none with --quick).")] = None,
+    port: Annotated[int, typer.Option(help="Port of the API and UI while the demo runs.")] = 8030,
+    vllm_port: Annotated[int, typer.Option(help="Port of the local vLLM server.")] = 8130,
+) -> None:
+    """Proof that it learns: generate a task family, SFT a small Qwen3 on a few demonstrations,
+    RL it through `swerve rl`, and evaluate before SFT, after SFT, after RL and after as much
+    more SFT as RL took, on held-out tasks. Its folder is $SWERVE_DATA_DIR/demo-learn."""
+    from rich.console import Console
+
+    from service import demo
+    from service.log import setup_logging
+
+    base = _settings()
+    root = base.data_dir / "demo-learn"
+    root.mkdir(parents=True, exist_ok=True)
+    settings = base.model_copy(update={"data_dir": root, "models_dir": root / "models"})
+    setup_logging(settings.log_format, level="INFO", path=root / "demo-learn.log")
+    typer.echo(f"log: {root / 'demo-learn.log'}")
+    plan = demo.LearnPlan.quick(seed) if quick else demo.LearnPlan(seed=seed)
+    target = results if results is not None else (None if quick else Path(__file__).resolve().parent.parent / "bench" / "RESULTS.md")
+    try:
+        out = asyncio.run(demo.learn(settings, plan, Console(width=None if sys.stdout.isatty() else 160), port=port,
+                                     vllm_port=vllm_port, results=target))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except (demo.DemoError, RuntimeError, TimeoutError) as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(1) from e
+    typer.echo(demo.results_section(out, demo.command(plan)))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -330,6 +369,34 @@ def suite_validate(
         Console().print(table)
     if not all(r.valid for r in results):
         raise typer.Exit(1)
+
+
+@suite_app.command("generate")
+def suite_generate(
+    family: Annotated[str, typer.Option(help="Task family (envs/families.py), e.g. pyfix.")],
+    n: Annotated[int, typer.Option(min=1, help="Tasks to generate.")],
+    seed: Annotated[int, typer.Option(min=0, help="Seed; the same arguments give the same bytes.")],
+    split: Annotated[str, typer.Option(help="train, heldout (names and constants train never uses) "
+                                            "or heldout-templates (bug templates train never uses).")],
+    out: Annotated[Path, typer.Option(dir_okay=False, help="The suite file to write (JSONL).")],
+    bundles_dir: Annotated[Path | None, typer.Option(file_okay=False, help="Where the tasks' git bundles go "
+                                                     "(default: $SWERVE_DATA_DIR/bundles, where workers look).")] = None,
+    distractors: Annotated[int | None, typer.Option(min=0, help="Other functions beside the buggy one "
+                                                    "(difficulty; default: the family's).")] = None,
+) -> None:
+    """Generate a suite of small SWE tasks, one git bundle per task, tests measured on this host."""
+    from envs.families import GenerationError, generate
+
+    bundles = bundles_dir or _settings().data_dir / "bundles"
+    try:
+        rows = generate(family, n, seed, split, out, bundles_dir=bundles, distractors=distractors)
+    except ValueError as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(2) from e
+    except GenerationError as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(1) from e
+    typer.echo(f"{len(rows)} {family} tasks ({split}, seed {seed}) -> {out}; bundles in {bundles}")
 
 
 @model_app.command("init-tiny")

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("sandboxes", "envs", "service", "trainer")
 SHARED = ("service.config", "service.log")
-ENTRY = ("service.cli", "service.embedded", "service.app", "service.rl", "service.trackers")
+ENTRY = ("service.cli", "service.embedded", "service.app", "service.rl", "service.demo", "service.trackers")
 PARTS = {  # part -> the parts it may import (itself included)
     "sandboxes": {"sandboxes"},
     "envs": {"envs", "sandboxes"},

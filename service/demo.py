@@ -1,0 +1,475 @@
+"""`swerve demo learn`: the proof that the loop learns, made small enough for a 2-core CPU.
+
+    swerve demo learn [--seed 0] [--quick]
+
+Every stage goes through the real parts (vLLM CPU server, bubblewrap sandboxes, the Celery
+worker, the buffer, the torchtitan trainer, weight reloads, the RL job's evaluation):
+
+1. generate: a task family (envs.families, "pyfix") in three splits: train, heldout (names and
+   constants never seen in training) and heldout-templates (bug templates never seen);
+2. a small Qwen3 made here (random weights, the tokenizer trained on the repository's text);
+3. demonstrations: a `demo` run over a few train tasks (view, str_replace, submit: the gold
+   fix as an edit), recorded through the loop like any episode;
+4. SFT: the trainer on those trajectories as a fixed dataset (trainer.dataset), advantage 1;
+5. RL: `swerve rl` from the SFT weights on the train split, rewards only, asynchronous
+   (max_off_policy_steps 1), weights reloaded every step, held-out evaluation every few steps;
+6. SFT continued: the SFT trainer resumed on the same demonstrations for RL's wall time;
+7. evaluations of the four policies (before SFT, after SFT, after RL, SFT continued) on the
+   held-out splits, each a run in the database; the figures go to bench/RESULTS.md.
+
+The SFT trainer keeps its own database (`sft.db` in the demo's folder): one trainer owns a
+database's version counter, and the RL job's trainer owns the main one, where the RL job's
+training run, its evaluations and the four evaluation runs stay for the UI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from service.config import Settings
+from service.fleet.server import die_with_parent
+
+FAMILY = "pyfix"
+ROWS = ("before SFT", "after SFT", "after RL", "SFT continued")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The policy's size: small enough to train in minutes on 2 cores."""
+
+    hidden_size: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+
+
+@dataclass(frozen=True)
+class LearnPlan:
+    seed: int = 0
+    n_train: int = 256
+    n_heldout: int = 64
+    n_heldout_templates: int = 32
+    distractors: int = 1
+    demos: int = 48
+    """Demonstrated train tasks: the only supervision the policy ever gets."""
+    model: ModelShape = ModelShape()
+    max_turns: int = 4
+    max_tokens: int = 160
+    """Tokens sampled per turn at most."""
+    temperature: float = 1.0
+    eval_samples: int = 8
+    """Samples per held-out task in the four final evaluations (pass@1 over them, pass@k = n)."""
+    eval_templates_samples: int = 4
+    sft_steps: int = 240
+    sft_groups_per_step: int = 8
+    sft_lr: float = 3e-3
+    rl_steps: int = 40
+    rl_groups_per_step: int = 4
+    rl_samples: int = 8
+    rl_lr: float = 5e-4
+    rl_negative_scale: float = 0.0
+    """Advantages below zero scaled by this (0: learn only from samples better than their group)."""
+    rl_kl_coef: float = 0.01
+    rl_fill_useful: bool = True
+    """A step waits for groups_per_step groups that teach something (DAPO's dynamic sampling)."""
+    rl_eval_every: int = 10
+    rl_eval_tasks: int = 16
+    rl_eval_samples: int = 4
+    concurrency: int = 16
+    max_model_len: int = 4096
+    seq_len: int = 4096
+
+    @classmethod
+    def quick(cls, seed: int = 0) -> LearnPlan:
+        """Every stage, a few steps on a few tasks: the pipeline, not the learning (CI)."""
+        return cls(seed=seed, n_train=4, n_heldout=2, n_heldout_templates=2, demos=2, eval_samples=2,
+                   eval_templates_samples=1, sft_steps=2, sft_groups_per_step=2, rl_steps=2, rl_groups_per_step=1,
+                   rl_samples=2, rl_fill_useful=False, rl_eval_every=1, rl_eval_tasks=2, rl_eval_samples=1,
+                   concurrency=4,
+                   max_tokens=48, max_turns=3)
+
+
+@dataclass
+class Stage:
+    name: str
+    wall_s: float
+    detail: dict = field(default_factory=dict)
+
+
+class DemoError(RuntimeError):
+    """A stage of the demo failed; the message says which and where its log is."""
+
+
+def _settings_for(settings: Settings, database: Path) -> Settings:
+    return settings.model_copy(update={"database_url": f"sqlite:///{database}"})
+
+
+def model_folder(base: Path, weights: Path, out: Path) -> Path:
+    """A Hugging Face folder: `base`'s config, tokenizer and chat template with `weights`'
+    safetensors (what the trainer published), for a server or a trainer to start from."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    for f in weights.iterdir():
+        if f.name.endswith(".safetensors") or f.name == "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+async def serve_weights(endpoint: str, weights: Path, version: int) -> None:
+    """The server reloaded with `weights` and reporting `version`."""
+    from service.fleet.client import FleetConfig, VLLMClient
+
+    client = await VLLMClient(FleetConfig(endpoints=[endpoint], probe_timeout_s=60.0)).start()
+    try:
+        if not await client.reload(str(weights.resolve()), version):
+            raise DemoError(f"the vLLM server at {endpoint} did not reload {weights}")
+    finally:
+        await client.close()
+
+
+async def _wait_run(engine, run_id: uuid.UUID, poll_s: float = 1.0) -> str:
+    from service.store.status import RUN_ACTIVE
+    from service.store.tables import Run
+
+    while True:
+        async with engine.connect() as conn:
+            status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+        if status not in RUN_ACTIVE:
+            return status
+        await asyncio.sleep(poll_s)
+
+
+async def one_pass(settings: Settings, suite: Path, name: str, sampler: dict, samples: int, plan: LearnPlan,
+                   port: int, console, instance_ids: list[str] | None = None) -> tuple[uuid.UUID, dict]:  # fmt: skip
+    """A one-pass run of `suite` (imported on first use) to its end, in this process's service;
+    its evaluation summary (service.control.evaluation)."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from service.control.evaluation import eval_results
+    from service.control.runs import create_run
+    from service.embedded import import_suite, serve_app
+    from service.worker.config import RunConfig
+
+    suite_id = await import_suite(settings, suite, console)
+    cfg = RunConfig.model_validate({
+        "suite_id": suite_id, "name": name, "sampler": sampler, "samples_per_task": samples,
+        "concurrency": plan.concurrency, "max_off_policy_steps": 10**9,  # evaluations of any version
+        "agent": {"max_turns": plan.max_turns,
+                  "sampling": {"max_tokens": plan.max_tokens, "temperature": plan.temperature}},
+    } | ({"instance_ids": instance_ids} if instance_ids else {}))
+    async with serve_app(settings, "127.0.0.1", port) as (app, _serving):
+        run_id = await create_run(app.state.engine, cfg)
+        app.state.supervisor.start(run_id)
+        status = await _wait_run(app.state.engine, run_id)
+        async with AsyncSession(app.state.engine) as session:
+            result = (await eval_results(session, {run_id: samples}))[run_id]
+    if status != "finished":
+        raise DemoError(f"run {name!r} ({run_id}) ended {status}")
+    return run_id, result | {"run_id": str(run_id), "status": status}
+
+
+def _trainer(config: dict, database_url: str, log: Path) -> float:
+    """The trainer's own process (`python -m trainer`) to its end; its wall time."""
+    path = log.with_suffix(".json")
+    path.write_text(json.dumps(config, indent=2))
+    started = time.monotonic()
+    with open(log, "ab") as out:
+        done = subprocess.run([sys.executable, "-m", "trainer", f"--config={path}"], stdout=out,
+                              stderr=subprocess.STDOUT,
+                              env={"OMP_NUM_THREADS": "1"} | os.environ | {"SWERVE_DATABASE_URL": database_url},
+                              preexec_fn=die_with_parent)
+    if done.returncode != 0:
+        raise DemoError(f"the trainer exited {done.returncode}; its log: {log}")
+    return time.monotonic() - started
+
+
+def _last_version(run_dir: Path) -> int:
+    versions = [int(p.name[1:]) for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
+    if not versions:
+        raise DemoError(f"the trainer in {run_dir} published no weights")
+    return max(versions)
+
+
+def rl_config(plan: LearnPlan, name: str, train: Path, heldout: Path, heldout_ids: list[str], model: Path,
+              endpoint: str, port: int) -> dict:  # fmt: skip
+    """The RL stage's `swerve rl` config: the shipped, tuned settings for this family."""
+    return {
+        "job": {"name": name, "steps": plan.rl_steps, "seed": plan.seed},
+        "suite": {"path": str(train), "groups_per_step": plan.rl_groups_per_step},
+        "eval": {"enabled": True, "path": str(heldout), "instance_ids": heldout_ids[:plan.rl_eval_tasks],
+                 "every": min(plan.rl_eval_every, plan.rl_steps), "samples_per_task": plan.rl_eval_samples,
+                 "sampling": {"temperature": plan.temperature, "max_tokens": plan.max_tokens}},
+        "filter": {"skip_solved": True, "min_groups": 1, "retry_prob": 0.1},
+        "rollouts": {"samples_per_task": plan.rl_samples, "concurrency": plan.concurrency,
+                     "max_off_policy_steps": 1, "worker_timeout_s": 120,
+                     "agent": {"max_turns": plan.max_turns,
+                               "sampling": {"max_tokens": plan.max_tokens, "temperature": plan.temperature}}},
+        "trainer": {"nproc": 1, "fill_useful": plan.rl_fill_useful, "checkpoint_every": max(1, plan.rl_steps // 4),
+                    "optim": {"lr": plan.rl_lr},
+                    "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
+                    "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale}},
+        "inference": {"model": str(model), "endpoints": [endpoint], "max_model_len": plan.max_model_len},
+        "serve": {"host": "127.0.0.1", "port": port, "after": False},
+    }
+
+
+async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 8030, vllm_port: int = 8130,
+                results: Path | None = None, screenshot: bool = True) -> dict:  # fmt: skip
+    """The whole demo in settings.data_dir; returns (and writes there as results.json) its figures."""
+    from envs.families import generate
+    from service import rl
+    from service.embedded import start_vllm
+    from service.fleet.tiny_model import TinyModelSpec, init_tiny
+    from service.store import db
+
+    root = settings.data_dir.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    main = settings
+    sft_db = root / "sft.db"
+    sft_settings = _settings_for(settings, sft_db)
+    for s in (main, sft_settings):
+        db.upgrade(s.resolved_database_url)
+    stages: list[Stage] = []
+    began = time.monotonic()
+
+    def stage(name: str, started: float, **detail) -> None:
+        stages.append(Stage(name, time.monotonic() - started, detail))
+        console.print(f"[bold]{name}[/bold]: {stages[-1].wall_s:.0f} s {detail or ''}")
+
+    # 1. the task family
+    t = time.monotonic()
+    suites, bundles = root / "suites", root / "bundles"
+    paths = {split: suites / f"{FAMILY}-{split}-s{plan.seed}.jsonl"
+             for split in ("train", "heldout", "heldout-templates")}
+    sizes = {"train": plan.n_train, "heldout": plan.n_heldout, "heldout-templates": plan.n_heldout_templates}
+    rows = {}
+    for split, path in paths.items():
+        rows[split] = generate(FAMILY, sizes[split], plan.seed, split, path, bundles_dir=bundles,
+                               distractors=plan.distractors)
+    stage("generate", t, **{k: len(v) for k, v in rows.items()})
+    train_ids = [r["instance_id"] for r in rows["train"]]
+    heldout_ids = [r["instance_id"] for r in rows["heldout"]]
+
+    # 2. the model
+    t = time.monotonic()
+    base = root / "models" / f"base-s{plan.seed}"
+    if not (base / "config.json").exists():
+        init_tiny(base, TinyModelSpec(seed=plan.seed, **asdict(plan.model)))
+    params = _parameters(base)
+    stage("model", t, parameters=params)
+
+    vllm = start_vllm(settings, base, vllm_port, console, max_model_len=plan.max_model_len, die_with_parent=True)
+    try:
+        endpoint = vllm.url
+        evals: dict[str, dict] = {}
+
+        async def evaluate(row: str, weights: Path, version: int) -> None:
+            t = time.monotonic()
+            await serve_weights(endpoint, weights, version)
+            sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
+            _, held = await one_pass(main, paths["heldout"], f"demo-learn s{plan.seed}: {row} (heldout)", sampler,
+                                     plan.eval_samples, plan, port, console)
+            _, templ = await one_pass(main, paths["heldout-templates"],
+                                      f"demo-learn s{plan.seed}: {row} (heldout-templates)", sampler,
+                                      plan.eval_templates_samples, plan, port, console)
+            evals[row] = {"heldout": held, "heldout-templates": templ, "wall_s": time.monotonic() - t}
+            stage(f"evaluate {row}", t, pass_at_1=held["pass_at_1"], format_error_rate=held["format_error_rate"])
+
+        # 3. before SFT
+        await evaluate("before SFT", base, 0)
+
+        # 4. demonstrations, recorded through the loop into the SFT trainer's database
+        t = time.monotonic()
+        demo_run, demo = await one_pass(sft_settings, paths["train"], f"demo-learn s{plan.seed}: demonstrations",
+                                        {"type": "demo", "tokenizer": str(base)}, 1, plan, port, console,
+                                        instance_ids=train_ids[:plan.demos])
+        if demo["pass_at_1"] != 1.0:
+            raise DemoError(f"demonstrations: only {demo['pass_at_1']:.2f} of them solve their task (run {demo_run})")
+        stage("demonstrations", t, episodes=demo["final"])
+
+        # 5. SFT on them
+        t = time.monotonic()
+        sft_cfg = {"name": "sft", "model": str(base), "out_dir": str(root / "sft"), "steps": 0,
+                   "until_step": plan.sft_steps, "groups_per_step": plan.sft_groups_per_step, "sft": True,
+                   "dataset": {"run_id": str(demo_run)}, "checkpoint_every": plan.sft_steps, "seed": plan.seed,
+                   "optim": {"lr": plan.sft_lr}, "data": {"seq_len": plan.seq_len}}
+        sft_wall = await asyncio.to_thread(_trainer, sft_cfg, sft_settings.resolved_database_url,
+                                           root / "sft.trainer.log")
+        sft_dir = root / "sft" / "sft"
+        sft_model = model_folder(base, sft_dir / "weights" / f"v{_last_version(sft_dir)}", root / "models" / "sft")
+        stage("SFT", t, steps=plan.sft_steps, trainer_s=round(sft_wall, 1))
+        await evaluate("after SFT", sft_model, 0)
+
+        # 6. RL from the SFT weights, through the RL job
+        t = time.monotonic()
+        await serve_weights(endpoint, sft_model, 0)  # the job's version 0
+        job = f"demo-learn-s{plan.seed}"
+        cfg = rl.RLConfig.model_validate(rl_config(plan, job, paths["train"], paths["heldout"], heldout_ids,
+                                                   sft_model, endpoint, port))
+        rl.check(cfg)
+        status = await rl.run_job(main, cfg, console)
+        if status != "finished":
+            raise DemoError(f"the RL job ended {status}; its logs are in {root / 'rl'}")
+        rl_wall = time.monotonic() - t
+        rl_dir = root / "rl" / job
+        rl_model = model_folder(base, rl_dir / "weights" / f"v{_last_version(rl_dir)}", root / "models" / "rl")
+        stage("RL", t, steps=plan.rl_steps)
+        await evaluate("after RL", rl_model, 0)
+
+        # 7. SFT continued for RL's wall time, from the SFT checkpoint, on the same demonstrations
+        t = time.monotonic()
+        more = sft_cfg | {"until_step": None, "time_limit_s": rl_wall, "checkpoint_every": 10**6}
+        await asyncio.to_thread(_trainer, more, sft_settings.resolved_database_url, root / "sft-continued.trainer.log")
+        cont_model = model_folder(base, sft_dir / "weights" / f"v{_last_version(sft_dir)}",
+                                  root / "models" / "sft-continued")
+        stage("SFT continued", t, steps=_last_version(sft_dir) - plan.sft_steps)
+        await evaluate("SFT continued", cont_model, 0)
+    finally:
+        vllm.stop()
+
+    run_id = await _training_run(main, job)
+    shot = await _screenshot(main, run_id, root, port) if screenshot else None
+    out = {"plan": asdict(plan), "parameters": params, "evals": evals,
+           "stages": [asdict(s) for s in stages], "wall_s": time.monotonic() - began, "rl_run_id": str(run_id),
+           "screenshot": str(shot) if shot else None, "machine": machine()}
+    (root / "results.json").write_text(json.dumps(out, indent=2, default=str))
+    if results is not None:
+        write_results(results, out, command(plan))
+    return out
+
+
+def _parameters(model: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in model.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                n = 1
+                for d in st.get_slice(k).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+async def _training_run(settings: Settings, job: str) -> uuid.UUID:
+    from service import rl
+    from service.store.db import make_async_engine
+
+    engine = make_async_engine(settings.resolved_database_url)
+    try:
+        run = await rl.find_job(engine, job)
+    finally:
+        await engine.dispose()
+    return run.id
+
+
+async def _screenshot(settings: Settings, run_id: uuid.UUID, root: Path, port: int) -> Path | None:
+    """The training run's page, as a person sees it, in var/screenshots/ of the demo's folder
+    (Chromium through Playwright; None when neither is installed)."""
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        return None
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        return None
+    from service.embedded import serve_app
+
+    out = root / "screenshots" / f"demo-learn-{run_id}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    async with serve_app(settings, "127.0.0.1", port):
+        async with async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=chromium, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync"])
+            try:
+                page = await browser.new_page(viewport={"width": 1400, "height": 1800})
+                await page.goto(f"http://127.0.0.1:{port}/runs/{run_id}", wait_until="networkidle")
+                await page.wait_for_timeout(1500)  # the charts draw after the data arrives
+                await page.screenshot(path=str(out), full_page=True)
+            finally:
+                await browser.close()
+    return out
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
+
+
+def command(plan: LearnPlan) -> str:
+    quick = LearnPlan.quick(plan.seed)
+    if replace(plan, seed=quick.seed) == quick:
+        return f"swerve demo learn --quick --seed {plan.seed}"
+    return f"swerve demo learn --seed {plan.seed}"
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def results_section(out: dict, cmd: str) -> str:
+    plan = out["plan"]
+    lines = [
+        "## demo learn", "",
+        f"`{cmd}` on {out['machine']['cores']} cores ({out['machine']['cpu']}), "
+        f"{out['wall_s'] / 60:.1f} min in all. A {out['parameters'] / 1e6:.2f}M-parameter Qwen3 made here; "
+        f"{plan['demos']} demonstrations (view, str_replace, submit) of train tasks; "
+        f"{plan['n_heldout']} held-out tasks x {plan['eval_samples']} samples (names and constants never seen), "
+        f"{plan['n_heldout_templates']} held-out-template tasks x {plan['eval_templates_samples']}; temperature "
+        f"{plan['temperature']}, at most {plan['max_turns']} turns of {plan['max_tokens']} tokens. "
+        "pass@1 is the mean over tasks of the solved fraction, with a 95% Wilson interval over the samples; "
+        "pass@k has k = the samples per task; format errors are turns without a well-formed tool call.", "",
+        "| policy | held-out pass@1 (95% CI) | pass@k | format errors | mean turns "
+        "| held-out templates pass@1 | wall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    walls = {s["name"]: s["wall_s"] for s in out["stages"]}
+    wall_of = {"before SFT": None, "after SFT": walls.get("SFT"), "after RL": walls.get("RL"),
+               "SFT continued": walls.get("SFT continued")}
+    for row in ROWS:
+        e = out["evals"].get(row)
+        if e is None:
+            continue
+        h, t = e["heldout"], e["heldout-templates"]
+        ci = h["pass_at_1_ci"]
+        lines.append(f"| {row} | {_fmt(h['pass_at_1'])} ({_fmt(ci[0] if ci else None)}-{_fmt(ci[1] if ci else None)}) "
+                     f"| {_fmt(h['pass_at_k'])} | {_fmt(h['format_error_rate'])} | {_fmt(h['mean_turns'], 2)} "
+                     f"| {_fmt(t['pass_at_1'])} | {'-' if wall_of[row] is None else f'{wall_of[row] / 60:.1f} min'} |")
+    lines += ["", "Stages: " + "; ".join(f"{s['name']} {s['wall_s']:.0f} s" for s in out["stages"]) + ".",
+              f"The RL job's training run ({out['rl_run_id']}) stays in the demo's database: its page shows reward "
+              "and eval pass@1 over the steps.", ""]
+    return "\n".join(lines)
+
+
+def write_results(path: Path, out: dict, cmd: str) -> None:
+    """The "demo learn" section of bench/RESULTS.md, replaced if there is one."""
+    text = path.read_text() if path.exists() else ""
+    section = results_section(out, cmd)
+    start = text.find("## demo learn")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    path.write_text(text)

@@ -1,0 +1,72 @@
+"""`swerve demo learn --quick`: every stage of the learning demo end to end on real parts (a
+vLLM CPU server, bubblewrap sandboxes, the in-process worker, the trainer's processes, the RL
+job), a few steps on a few tasks. It checks the pipeline, not the learning: the full demo is
+a benchmark (bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_torchtitan
+from tests.servers import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+require_torchtitan()
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_demo_learn_quick_runs_every_stage(tmp_path):
+    from service.fleet.server import vllm_python
+    from tests.conftest import missing_service
+
+    if not os.path.exists(vllm_python()):
+        missing_service(f"vLLM at {vllm_python()} (make vllm)")
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\n## other\n\nkept\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"SWERVE_DATA_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "service.cli", "demo", "learn", "--quick", "--seed", "3",
+                           f"--results={results}", f"--port={free_port()}", f"--vllm-port={free_port()}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    root = tmp_path / "demo-learn"
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    out = json.loads((root / "results.json").read_text())
+    stages = [s["name"] for s in out["stages"]]
+    assert stages == ["generate", "model", "evaluate before SFT", "demonstrations", "SFT", "evaluate after SFT",
+                      "RL", "evaluate after RL", "SFT continued", "evaluate SFT continued"]
+    assert out["stages"][0]["detail"] == {"train": 4, "heldout": 2, "heldout-templates": 2}
+    assert out["stages"][3]["detail"] == {"episodes": 2}  # both demonstrations solved their tasks
+    assert out["stages"][8]["detail"]["steps"] >= 1  # SFT went on for RL's wall time
+    for row in ("before SFT", "after SFT", "after RL", "SFT continued"):
+        held, templ = out["evals"][row]["heldout"], out["evals"][row]["heldout-templates"]
+        assert (held["tasks"], held["samples"], held["final"]) == (2, 4, 4), held
+        assert (templ["tasks"], templ["samples"]) == (2, 2), templ
+        assert 0.0 <= held["pass_at_1"] <= 1.0 and held["pass_at_1_ci"] is not None
+    # the section went into the results file, next to what was there
+    text = results.read_text()
+    assert "## other\n\nkept" in text and "## demo learn" in text and "swerve demo learn --quick --seed 3" in text
+    for row in ("| before SFT |", "| after SFT |", "| after RL |", "| SFT continued |"):
+        assert row in text
+    # the RL job's training run stays in the demo's database, with its versions and evaluations
+    conn = sqlite3.connect(root / "swerve.db")
+    kind, status = conn.execute("select kind, status from runs where id = ?",
+                                (out["rl_run_id"].replace("-", ""),)).fetchone()
+    assert (kind, status) == ("train", "finished")
+    versions = [v for (v,) in conn.execute("select version from policies order by version")]
+    assert versions == [0, 1, 2]
+    evals = conn.execute("select policy_version, status from runs where kind = 'eval' and parent_id = ? "
+                         "order by policy_version", (out["rl_run_id"].replace("-", ""),)).fetchall()
+    assert [v for v, s in evals if s == "finished"] == [0, 1, 2]
+    one_pass = conn.execute("select count(*) from runs where kind = 'sample' and status = 'finished'").fetchone()[0]
+    assert one_pass == 8  # four policies x two held-out splits
+    # the SFT trainer kept its own database: the demonstrations and its versions
+    sft = sqlite3.connect(root / "sft.db")
+    assert sft.execute("select count(*) from runs").fetchone()[0] == 1
+    assert sft.execute("select max(version) from policies").fetchone()[0] > 2
+    assert Path(out["screenshot"]).stat().st_size > 10_000
