@@ -77,7 +77,20 @@ def _pool(train: str, heldout: str) -> Pool:
 
 
 PACKAGES = _pool("mathy numkit calc toolbelt utilz", "figures abacus quant metrik ledger")
-MODULES = _pool("ops helpers core funcs", "tools misc basics routines")
+MODULES = _pool("ops helpers core funcs arith mathops numeric calcs compute logic",
+                "tools misc basics routines procs methods snippets primitives extras support")
+WORDS = _pool(
+    "amber apple arrow basin berry birch brick cedar chalk cider cloud coral crane delta dune eagle ember "
+    "fable fern flint frost gable grain grove hazel heron ivory jade kelp lemon lilac lotus maple marsh mint "
+    "moss nectar olive onyx opal pearl pebble pine plum quartz raven ridge river robin sage slate spruce "
+    "thyme tulip",
+    "acorn badger beacon bison canyon comet copper cricket dahlia falcon fjord garnet glacier harbor hollow "
+    "juniper lagoon lantern meadow mesa nickel orchid otter panther prairie quill rapids saffron summit "
+    "tundra umber valley walnut willow yarrow zephyr bramble cobalt ferret granite")
+"""Words that make package and function names many (a policy must copy them from the issue and
+the code, not recall them): a package is a word and a suffix, or one of PACKAGES; a target
+function is its template's name, or that name and a word."""
+SUFFIXES = ("kit", "lib", "box", "utils")
 ARGS = {
     "value": _pool("value x num", "amount reading qty"), "lo": _pool("low lo lower", "floor least bottom"),
     "hi": _pool("high hi upper", "ceiling most top"), "limit": _pool("limit cap maximum", "quota allowance budget"),
@@ -294,9 +307,12 @@ def roles(source: str) -> list[str]:
     return sorted({f for _, f, _, _ in string.Formatter().parse(source) if f} - {"fn", "K"})
 
 
-def _fill(source: str, names: Pool, group: int, rng: random.Random, const: Any = None) -> tuple[str, dict]:
+def _fill(source: str, names: Pool, group: int, rng: random.Random, const: Any = None,
+          target: bool = False) -> tuple[str, dict]:  # fmt: skip
     subs = {role: rng.choice(ARGS[role][group]) for role in roles(source)}
     subs |= {"fn": rng.choice(names[group]), "K": repr(const)}
+    if target and rng.random() < 0.5:  # the bug's function; distractors keep their names
+        subs["fn"] = f"{subs['fn']}_{rng.choice(WORDS[group])}"
     return source.format_map(subs), subs
 
 
@@ -336,7 +352,7 @@ def _module(rng: random.Random, t: Template, group: int, distractors: int):
     """(correct module, buggy module, the target's substitutions, [(helper, its substitutions)]),
     or None when the bug's line is not unique."""
     const = rng.choice(t.consts[group]) if t.consts[group] else None
-    target, subs = _fill(t.source, t.names, group, rng, const)
+    target, subs = _fill(t.source, t.names, group, rng, const, target=True)
     fixed, buggy = t.fixed.format_map(subs), t.buggy.format_map(subs)
     helpers = [(h, *_fill(h.source, h.names, group, rng)) for h in rng.sample(HELPERS, distractors)]
     functions = [source for _, source, _ in helpers]
@@ -360,7 +376,9 @@ def _pyfix_task(rng: random.Random, t: Template, group: int, distractors: int) -
     kept = [(a, want) for a, want, got in outcomes if want == got]
     if not failing or not kept:
         return None
-    pkg, module = rng.choice(PACKAGES[group]), rng.choice(MODULES[group])
+    pkg = (rng.choice(PACKAGES[group]) if rng.random() < 0.25
+           else f"{rng.choice(WORDS[group])}{rng.choice(SUFFIXES)}")
+    module = rng.choice(MODULES[group])
     path = f"{pkg}/{module}.py"
     args, want, got = failing[0]
     problem = rng.choice(PHRASINGS).format(call=_call(fn, args), fn=fn, path=path, want=_verb(want, "return", "raise"),

@@ -383,8 +383,8 @@ async def _training_run(settings: Settings, job: str) -> uuid.UUID:
 
 
 async def _screenshot(settings: Settings, run_id: uuid.UUID, root: Path, port: int) -> Path | None:
-    """The training run's page, as a person sees it, in var/screenshots/ of the demo's folder
-    (Chromium through Playwright; None when neither is installed)."""
+    """The training run's page, as a person sees it, in screenshots/ beside the demo's folder
+    (var/screenshots by default; Chromium through Playwright; None when neither is installed)."""
     try:
         from playwright.async_api import async_playwright
     except ImportError:
@@ -394,7 +394,7 @@ async def _screenshot(settings: Settings, run_id: uuid.UUID, root: Path, port: i
         return None
     from service.embedded import serve_app
 
-    out = root / "screenshots" / f"demo-learn-{run_id}.png"
+    out = root.parent / "screenshots" / f"demo-learn-{run_id}.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     async with serve_app(settings, "127.0.0.1", port):
         async with async_playwright() as p:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 logger = logging.getLogger(__name__)
 
 STEP_NAMES = {  # the step's metric -> the tracker's name
-    "reward_mean": "reward/mean", "loss": "loss/mean", "mismatch_kl": "mismatch_kl/mean", "entropy": "entropy/mean",
+    "reward_mean": "reward/mean", "loss": "loss/mean", "mismatch_kl": "mismatch_kl/mean", "entropy": "entropy/mean", "nll": "loss/nll",
     "masked_fraction": "loss/masked_fraction", "grad_norm": "optim/grad_norm", "staleness_mean": "off_policy/mean",
     "staleness_max": "off_policy/max", "dropped_groups": "off_policy/dropped", "filtered": "filter/skipped",
     "useful_fraction": "filter/useful_fraction", "zero_advantage_groups": "filter/zero_advantage_groups",

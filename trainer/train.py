@@ -285,7 +285,7 @@ class Trainer:
         """Forward and backward of this rank's share of the batch (gradients accumulate; the
         loss is normalised by the whole batch), metrics summed over the ranks, gradients clipped."""
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, and mismatch KL, masked fraction, entropy token-weighted
+        sums = torch.zeros(5, dtype=torch.float64)  # loss, and mismatch KL, masked fraction, entropy, NLL token-weighted
         started = time.perf_counter()
         shares = micro_batches(batch.rows, self.ranks.world, split_documents=not packs_documents(self.model))
         for unit, pieces in zip(shares[self.ranks.rank], projection_rounds(shares, self.cfg.logprob_chunk)):
@@ -315,9 +315,12 @@ class Trainer:
                           total_tokens=batch.n_tokens, total_sequences=batch.n_seqs)
         out.loss.backward()
         weight = out.metrics["sampled_tokens"] / max(batch.n_tokens, 1)
+        sampled = t["loss_mask"]
+        mean_entropy, nll = ((float(entropy[sampled].mean()), float(-logp.detach()[sampled].mean()))
+                             if bool(sampled.any()) else (0.0, 0.0))
         return torch.tensor([out.loss.item(), out.metrics["mismatch_kl"] * weight,
-                             out.metrics["masked_fraction"] * weight,
-                             float(entropy[t["loss_mask"]].mean()) * weight], dtype=torch.float64)
+                             out.metrics["masked_fraction"] * weight, mean_entropy * weight, nll * weight],
+                            dtype=torch.float64)
 
     def _idle_pass(self, pieces: int | None) -> None:
         """A one-token forward and backward with zero loss: joins the collectives of a round."""
@@ -375,9 +378,9 @@ class Trainer:
 def _step_metrics(batch: Batch, sums: list[float], grad_norm: float | None, elapsed: float, world: int) -> dict:
     stats, rows = batch.stats, batch.rows
     used = sum(r.used for r in rows)
-    loss, kl, masked, entropy = sums
+    loss, kl, masked, entropy, nll = sums
     return {
-        "loss": loss, "mismatch_kl": kl, "masked_fraction": masked, "entropy": entropy,
+        "loss": loss, "mismatch_kl": kl, "masked_fraction": masked, "entropy": entropy, "nll": nll,
         "reward_mean": float(np.mean(stats.rewards)) if stats.rewards else None,
         "advantage_mean": float(np.mean(stats.advantages)) if stats.advantages else None,
         "advantage_std": float(np.std(stats.advantages)) if stats.advantages else None,

@@ -215,7 +215,7 @@ async def evaluations(session: AsyncSession, where) -> list[dict]:
             for r in runs]
 
 
-STEP_METRICS = ("loss", "reward_mean", "mismatch_kl", "entropy", "masked_fraction", "grad_norm", "groups",
+STEP_METRICS = ("loss", "reward_mean", "mismatch_kl", "entropy", "nll", "masked_fraction", "grad_norm", "groups",
                 "zero_advantage_groups", "dropped_groups", "episodes", "sampled_tokens", "staleness_mean",
                 "staleness_max", "wait_s", "step_s", "publish_s", "tokens_per_s")
 
