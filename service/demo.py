@@ -68,7 +68,7 @@ class LearnPlan:
     """Demonstrated train tasks: the only supervision the policy ever gets."""
     model: ModelShape = ModelShape()
     max_turns: int = 4
-    max_tokens: int = 160
+    max_tokens: int = 128
     """Tokens sampled per turn at most."""
     temperature: float = 1.0
     eval_samples: int = 8
