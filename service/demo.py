@@ -40,21 +40,10 @@ import sqlalchemy as sa
 
 from service.config import Settings
 from service.fleet.server import die_with_parent
+from service.fleet.tiny_model import TinyModelSpec
 
 FAMILY = "pyfix"
 ROWS = ("before SFT", "after SFT", "after RL", "SFT continued")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The policy's size: small enough to train in minutes on 2 cores."""
-
-    hidden_size: int = 128
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int = 384
 
 
 @dataclass(frozen=True)
@@ -67,7 +56,8 @@ class LearnPlan:
     demos: int = 512
     """Demonstrated train tasks: the only supervision the policy ever gets. Probes with 48 and
     128 demonstrations (a 2-layer model) learned the format but copied no name it had not seen."""
-    model: ModelShape = ModelShape()
+    model: TinyModelSpec = TinyModelSpec(layers=4)
+    """The policy's size (its seed is the plan's): small enough to train in minutes on 2 cores."""
     max_turns: int = 3
     """View, edit, submit: the demonstrated fix; an episode out of turns is graded all the same."""
     max_tokens: int = 128
@@ -100,7 +90,7 @@ class LearnPlan:
     @classmethod
     def quick(cls, seed: int = 0) -> LearnPlan:
         """Every stage, a few steps on a few tasks: the pipeline, not the learning (CI)."""
-        return cls(seed=seed, n_train=4, n_heldout=2, n_heldout_templates=2, demos=2, model=ModelShape(layers=2),
+        return cls(seed=seed, n_train=4, n_heldout=2, n_heldout_templates=2, demos=2, model=TinyModelSpec(),
                    eval_samples=2, eval_templates_samples=1, sft_steps=2, sft_groups_per_step=2, rl_steps=2,
                    rl_groups_per_step=1, rl_samples=2, rl_eval_every=1, rl_eval_tasks=2, rl_eval_samples=1,
                    concurrency=4, max_tokens=48)
@@ -241,7 +231,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     from envs.families import generate
     from service import rl
     from service.embedded import start_vllm
-    from service.fleet.tiny_model import TinyModelSpec, init_tiny
+    from service.fleet.tiny_model import init_tiny
     from service.store import db
 
     root = settings.data_dir.resolve()
@@ -284,7 +274,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     t = time.monotonic()
     base = root / "models" / f"base-s{plan.seed}"
     if not (base / "config.json").exists():
-        init_tiny(base, TinyModelSpec(seed=plan.seed, **asdict(plan.model)))
+        init_tiny(base, replace(plan.model, seed=plan.seed))
     out["parameters"] = _parameters(base)
     stage("model", t, parameters=out["parameters"])
 
