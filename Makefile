@@ -10,7 +10,7 @@ TORCHTITAN_VERSION ?= 0.3.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test test-numeric test-fast bench install vllm db clean
+.PHONY: run test test-numeric test-fast bench demo-learn install vllm db clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ db: $(STAMP)
 # The main job: `swerve rl` on the example suite (envs/example_suite/rl.toml) with the tiny model.
 run: db $(VLLM_STAMP)
 	$(BIN)/swerve rl --config envs/example_suite/rl.toml --serve.host=$(HOST) --serve.port=$(PORT)
+
+# The proof that it learns (about an hour on 2 cores): swerve demo learn; its figures go to bench/RESULTS.md.
+demo-learn: db $(VLLM_STAMP)
+	$(BIN)/swerve demo learn
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider
