@@ -430,7 +430,7 @@ def _fmt(x, digits: int = 3) -> str:
 def results_section(out: dict, cmd: str) -> str:
     plan = out["plan"]
     lines = [
-        "## demo learn", "",
+        f"## demo learn (`swerve demo learn`), {time.strftime('%Y-%m-%d')}", "",
         f"`{cmd}` on {out['machine']['cores']} cores ({out['machine']['cpu']}), "
         f"{out['wall_s'] / 60:.1f} min in all. A {out['parameters'] / 1e6:.2f}M-parameter Qwen3 made here; "
         f"{plan['demos']} demonstrations (view, str_replace, submit) of train tasks; "
