@@ -22,6 +22,7 @@ require_torchtitan()
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.timeout(1500)  # a vLLM server of its own starts beside the session's (minutes on a busy machine)
 def test_demo_learn_quick_runs_every_stage(tmp_path):
     from service.fleet.server import vllm_python
     from tests.conftest import missing_service
