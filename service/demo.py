@@ -455,7 +455,8 @@ def results_section(out: dict, cmd: str) -> str:
         lines.append(f"| {row} | {_fmt(h['pass_at_1'])} ({_fmt(ci[0] if ci else None)}-{_fmt(ci[1] if ci else None)}) "
                      f"| {_fmt(h['pass_at_k'])} | {_fmt(h['format_error_rate'])} | {_fmt(h['mean_turns'], 2)} "
                      f"| {_fmt(t['pass_at_1'])} | {'-' if wall_of[row] is None else f'{wall_of[row] / 60:.1f} min'} |")
-    lines += ["", "Stages: " + "; ".join(f"{s['name']} {s['wall_s']:.0f} s" for s in out["stages"]) + "."]
+    lines += ["", "Stages: " + "; ".join(f"{s['name']} {s['wall_s']:.0f} s" for s in out["stages"]) + ".",
+              "", target_verdict(out["evals"])]
     if not out.get("complete"):
         lines.append("The demo had not finished when this was written: the rows above are what it measured so far.")
     if out["rl_run_id"]:
@@ -463,6 +464,27 @@ def results_section(out: dict, cmd: str) -> str:
                      "shows reward and eval pass@1 over the steps.")
     lines.append("")
     return "\n".join(lines)
+
+
+def target_verdict(evals: dict) -> str:
+    """Issue 17's target, checked: after SFT >= 20% held-out pass@1; after RL at least 5 points
+    above it with the 95% intervals apart, and above SFT continued; format errors <= 15%."""
+    held = {row: e["heldout"] for row, e in evals.items()}
+    if not all(row in held for row in ROWS[1:]):
+        return "Target: not checked yet (the demo has not evaluated every policy)."
+    sft, rl, more = held["after SFT"], held["after RL"], held["SFT continued"]
+    checks = {
+        "after SFT pass@1 >= 0.20": sft["pass_at_1"] >= 0.20,
+        "after RL >= after SFT + 0.05, intervals apart": rl["pass_at_1"] >= sft["pass_at_1"] + 0.05
+        and rl["pass_at_1_ci"][0] > sft["pass_at_1_ci"][1],
+        "after RL > SFT continued": rl["pass_at_1"] > more["pass_at_1"],
+        "format errors after RL <= 0.15, not above after SFT's": (rl["format_error_rate"] or 0) <= 0.15
+        and (rl["format_error_rate"] or 0) <= (sft["format_error_rate"] or 0),
+    }
+    met = [k for k, ok in checks.items() if ok]
+    missed = [k for k, ok in checks.items() if not ok]
+    return (f"Target: {'met' if not missed else 'NOT met'}"
+            + (f"; missed: {'; '.join(missed)}" if missed else "") + (f"; met: {'; '.join(met)}" if met else "") + ".")
 
 
 def write_results(path: Path, out: dict, cmd: str) -> None:

@@ -1,0 +1,22 @@
+"""The demo's verdict on issue 17's target, from the four evaluations' figures."""
+
+from __future__ import annotations
+
+from service.demo import target_verdict
+
+
+def ev(p: float, lo: float, hi: float, fmt: float = 0.05) -> dict:
+    return {"heldout": {"pass_at_1": p, "pass_at_1_ci": [lo, hi], "format_error_rate": fmt}}
+
+
+def test_met_only_when_every_part_holds():
+    good = {"before SFT": ev(0.0, 0.0, 0.01, 1.0), "after SFT": ev(0.25, 0.21, 0.29),
+            "after RL": ev(0.36, 0.32, 0.40), "SFT continued": ev(0.27, 0.23, 0.31)}
+    assert target_verdict(good).startswith("Target: met")
+    overlapping = good | {"after RL": ev(0.31, 0.27, 0.35)}
+    assert "missed: after RL >= after SFT + 0.05, intervals apart" in target_verdict(overlapping)
+    beaten = good | {"SFT continued": ev(0.40, 0.36, 0.44)}
+    assert "missed: after RL > SFT continued" in target_verdict(beaten)
+    broken_format = good | {"after RL": ev(0.36, 0.32, 0.40, fmt=0.2)}
+    assert "NOT met" in target_verdict(broken_format)
+    assert target_verdict({"after SFT": good["after SFT"]}).startswith("Target: not checked yet")
