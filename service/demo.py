@@ -130,12 +130,9 @@ async def serve_weights(endpoint: str, weights: Path, version: int) -> None:
     """The server reloaded with `weights` and reporting `version`."""
     from service.fleet.client import FleetConfig, VLLMClient
 
-    client = await VLLMClient(FleetConfig(endpoints=[endpoint], probe_timeout_s=60.0)).start()
-    try:
+    async with VLLMClient(FleetConfig(endpoints=[endpoint], probe_timeout_s=60.0)) as client:
         if not await client.reload(str(weights.resolve()), version):
             raise DemoError(f"the vLLM server at {endpoint} did not reload {weights}")
-    finally:
-        await client.close()
 
 
 async def _wait_run(engine, run_id: uuid.UUID, poll_s: float = 1.0) -> str:

@@ -61,10 +61,13 @@ def demonstration(tokenizer, task: Task) -> ScriptedSampler:
 
     calls = demo_calls({"instance_id": task.instance_id, "patch": task.patch or "",
                         "problem_statement": task.problem_statement})
-    return ScriptedSampler(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls], name="demo")
+    return ScriptedSampler(tokenizer, _actions(calls), name="demo")
 
 
 def replay(tokenizer, calls: list[dict], latency_s: float = 0.0) -> ScriptedSampler:
     """calls: [{"name": ..., "arguments": {...}}, ...] as recorded on turns."""
-    return ScriptedSampler(tokenizer, [tool_call_text(c["name"], c.get("arguments", {})) for c in calls],
-                          latency_s=latency_s)
+    return ScriptedSampler(tokenizer, _actions(calls), latency_s=latency_s)
+
+
+def _actions(calls: list[dict]) -> list[str]:
+    return [tool_call_text(c["name"], c.get("arguments", {})) for c in calls]
