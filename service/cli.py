@@ -242,6 +242,71 @@ def train(
     os.execv(sys.executable, [sys.executable, "-m", "trainer", f"--config={config}", f"--nproc={nproc}", *ctx.args])
 
 
+@app.command("export")
+def export_run(
+    run: Annotated[str, typer.Argument(help="The run's id, or its name when one run has it.")],
+    format: Annotated[str, typer.Option("--format", "-f", help="jsonl or parquet.")] = "jsonl",  # noqa: A002
+    out: Annotated[Path | None, typer.Option(help="The file to write (default: run-<id>.<format>).")] = None,
+    min_reward: Annotated[float | None, typer.Option(help="Keep episodes with at least this reward.")] = None,
+    max_reward: Annotated[float | None, typer.Option(help="Keep episodes with at most this reward.")] = None,
+    status: Annotated[list[str] | None, typer.Option(help="Keep episodes of this status (repeatable).")] = None,
+) -> None:
+    """Write a run's episodes as a dataset (one row per episode: messages, tool calls, token ids,
+    logprobs, reward, grading report) that Hugging Face `datasets` loads as it is."""
+    import uuid as uuid_
+
+    import sqlalchemy as sa
+
+    from service.control import export
+    from service.control.redaction import Answers
+    from service.control.views import NotFound
+    from service.store.db import make_async_engine
+    from service.store.tables import Run
+
+    settings = _settings()
+    try:
+        fmt = export.check_format(format)
+        flt = export.ExportFilter(min_reward=min_reward, max_reward=max_reward, statuses=tuple(status or ()))
+    except export.ExportError as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(2) from e
+
+    async def main() -> dict:
+        engine = make_async_engine(settings.resolved_database_url)
+        try:
+            try:
+                run_id = uuid_.UUID(run)
+            except ValueError:
+                async with engine.connect() as conn:
+                    ids = (await conn.execute(sa.select(Run.id).where(Run.name == run))).scalars().all()
+                if len(ids) != 1:
+                    raise NotFound(f"run: {len(ids)} runs are named {run!r}; give the run's id "
+                                   "(GET /api/v1/runs lists them)") from None
+                run_id = ids[0]
+            path = out or Path(f"run-{run_id}.{fmt}")
+            tmp = path.with_name(f".{path.name}.partial")
+            counts = {"rows": 0}
+            try:
+                with open(tmp, "wb") as f:
+                    async for chunk in export.stream(engine, run_id, fmt, Answers(shown=True), flt, counts=counts):
+                        f.write(chunk)
+                tmp.replace(path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return {"run_id": str(run_id), "path": str(path), "format": fmt, "rows": counts["rows"],
+                    "bytes": path.stat().st_size}
+        finally:
+            await engine.dispose()
+
+    try:
+        result = asyncio.run(main())
+    except NotFound as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(1) from e
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+
+
 @app.command()
 def worker(
     concurrency: Annotated[int, typer.Option(min=1, help="Episodes in flight in this process (they share one event loop).")] = 64,

@@ -17,7 +17,7 @@ from service.api.schemas import (
     BufferStats, DifficultyPublic, EpisodeDetail, EpisodePublic, GroupDetail, HTTPValidationError, Page, PolicyPublic,
     Problem, RunProgress, RunStatusPublic, TurnTokens,
 )  # fmt: skip
-from service.control import views
+from service.control import export, views
 from service.control.redaction import is_oracle
 from service.control.runs import RunError, create_run
 from service.store.buffer import Buffer
@@ -107,6 +107,27 @@ async def episode_tokens(session: SessionDep, answers: AnswersDep, episode_id: u
     """A turn's sampled tokens, each decoded alone with the run's tokenizer, with its logprob
     (for logprob shading in the episode viewer); none of an oracle's without the API token."""
     return await views.turn_tokens(session, answers, episode_id, turn)
+
+
+@router.get("/runs/{run_id}/export", responses={200: {"content": {t: {} for t in export.MEDIA_TYPES.values()}},
+                                                **NOT_FOUND, 422: {"model": Problem | HTTPValidationError}})
+async def export_run(request: Request, answers: AnswersDep, run_id: uuid.UUID,
+                     format: export.Format = "jsonl",  # noqa: A002
+                     min_reward: float | None = None, max_reward: float | None = None,
+                     status: Annotated[list[str] | None, Query(description="episode statuses to keep")] = None,
+                     ) -> StreamingResponse:  # fmt: skip
+    """The run's episodes as a dataset file (service.control.export): one row per episode with its
+    messages, tool calls, token ids, logprobs, reward and grading report; streamed page by page.
+    Without the API token an oracle's or a demonstration's turns are withheld, as everywhere."""
+    try:
+        fmt = export.check_format(format)
+        flt = export.ExportFilter(min_reward=min_reward, max_reward=max_reward, statuses=tuple(status or ()))
+    except export.ExportError as e:
+        raise HTTPException(422, str(e)) from e
+    engine = request.app.state.engine
+    await export.get_run(engine, run_id)  # a 404 before the response starts
+    return StreamingResponse(export.stream(engine, run_id, fmt, answers, flt), media_type=export.MEDIA_TYPES[fmt],
+                             headers={"Content-Disposition": f'attachment; filename="run-{run_id}.{fmt}"'})
 
 
 @router.get("/events", responses=NOT_FOUND)
