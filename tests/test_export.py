@@ -83,8 +83,9 @@ VLLM = {"type": "vllm", "endpoints": ["http://127.0.0.1:9"], "tokenizer": "/none
 ORACLE = {"type": "oracle", "tokenizer": "/nonexistent"}
 
 
-async def exported(engine, run_id, fmt, answers=Answers(shown=True), flt=export.ExportFilter(), page=export.PAGE):
-    return b"".join([c async for c in export.stream(engine, run_id, fmt, answers, flt, page)])
+async def exported(engine, run_id, fmt, answers=Answers(shown=True), flt=export.ExportFilter(), page=export.PAGE,
+                   page_tokens=export.PAGE_TOKENS):
+    return b"".join([c async for c in export.stream(engine, run_id, fmt, answers, flt, page, page_tokens)])
 
 
 def load(data: bytes, fmt: str, tmp_path) -> list[dict]:
@@ -144,10 +145,12 @@ async def test_filters_keep_what_they_say_and_pages_change_nothing(engine, tmp_p
     run_id, turns = await make_run(engine, VLLM, n_tasks=4)
     everything = load(await exported(engine, run_id, "jsonl"), "jsonl", tmp_path)
     assert len(everything) == len(turns) == 8
-    for page in (1, 3, 7):
-        assert load(await exported(engine, run_id, "jsonl", page=page), "jsonl", tmp_path) == everything
-        assert load(await exported(engine, run_id, "parquet", page=page), "parquet", tmp_path) == \
-            load(await exported(engine, run_id, "parquet"), "parquet", tmp_path)
+    parquet = load(await exported(engine, run_id, "parquet"), "parquet", tmp_path)
+    for page, page_tokens in ((1, export.PAGE_TOKENS), (3, export.PAGE_TOKENS), (7, export.PAGE_TOKENS), (7, 1), (5, 20)):
+        assert load(await exported(engine, run_id, "jsonl", page=page, page_tokens=page_tokens), "jsonl",
+                    tmp_path) == everything
+        assert load(await exported(engine, run_id, "parquet", page=page, page_tokens=page_tokens), "parquet",
+                    tmp_path) == parquet
     solved = load(await exported(engine, run_id, "jsonl", flt=export.ExportFilter(min_reward=1.0)), "jsonl", tmp_path)
     assert solved and [r["episode_id"] for r in solved] == [r["episode_id"] for r in everything if r["reward"] == 1.0]
     failed = await exported(engine, run_id, "jsonl", flt=export.ExportFilter(statuses=("reward_error",)))
@@ -213,3 +216,16 @@ async def test_the_cli_writes_the_file_whole_by_id_or_name(db_url, engine, tmp_p
     assert not (tmp_path / "x.jsonl").exists()
     done = await swerve(str(run_id), "--format", "csv")
     assert done.returncode == 2 and "format: 'csv'" in done.stderr
+
+
+async def test_the_run_page_links_to_its_export(db_url, engine, tmp_path):
+    import re
+
+    run_id, turns = await make_run(engine, VLLM)
+    async with client_for(make_settings(db_url)) as client:
+        page = (await client.get(f"/runs/{run_id}", headers=auth())).text
+        links = dict(re.findall(r'id="export-(\w+)" href="([^"]+)"', page))
+        assert set(links) == set(export.FORMATS)
+        for fmt, href in links.items():
+            r = await client.get(href.replace("&amp;", "&"), headers=auth())
+            assert r.status_code == 200 and len(load(r.content, fmt, tmp_path)) == len(turns)

@@ -35,7 +35,9 @@ from service.store.tables import Episode, Run, Task, Turn
 Format = Literal["jsonl", "parquet"]
 FORMATS: tuple[str, ...] = ("jsonl", "parquet")
 PAGE = 64
-"""Episodes read (with their turns) per query; a Parquet row group holds one page."""
+"""Episodes read per query."""
+PAGE_TOKENS = 2**18
+"""Tokens (of episodes' turns) loaded and converted at once; a Parquet row group holds one page."""
 EPISODE_STATUSES: tuple[str, ...] = get_args(EpisodeStatus)
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "parquet": "application/vnd.apache.parquet"}
 
@@ -166,9 +168,11 @@ async def get_run(engine: AsyncEngine, run_id: uuid.UUID) -> Run:
 
 
 async def rows(engine: AsyncEngine, run_id: uuid.UUID, answers: Answers, flt: ExportFilter = ExportFilter(),
-               page: int = PAGE) -> AsyncIterator[list[dict]]:  # fmt: skip
-    """The run's episodes that pass `flt`, as export rows, a page at a time, in a fixed order
-    (creation, then sample index); raises NotFound for an unknown run."""
+               page: int = PAGE, page_tokens: int = PAGE_TOKENS) -> AsyncIterator[list[dict]]:  # fmt: skip
+    """The run's episodes that pass `flt`, as export rows, in a fixed order (creation, then sample
+    index): pages of at most `page` episodes and, but for a longer episode alone, `page_tokens`
+    tokens (what bounds the memory: a 131k-token episode's row is ~10 MB in Python); raises
+    NotFound for an unknown run."""
     run = await get_run(engine, run_id)
     oracle = is_oracle(run.config)
     after: tuple | None = None
@@ -180,17 +184,32 @@ async def rows(engine: AsyncEngine, run_id: uuid.UUID, answers: Answers, flt: Ex
         query = query.order_by(Episode.created_at, Episode.sample_index, Episode.id).limit(page)
         async with AsyncSession(engine) as session:
             found = (await session.execute(query)).all()
-            ids = [e.id for e, _ in found]
-            turns: dict[uuid.UUID, list[Turn]] = {i: [] for i in ids}
-            if ids and not answers.hides_turns(oracle):
-                for t in (await session.scalars(sa.select(Turn).where(Turn.episode_id.in_(ids))
-                                                .order_by(Turn.episode_id, Turn.idx))).all():
-                    turns[t.episode_id].append(t)
         if not found:
             return
-        yield [_row(run, e, task, turns[e.id], answers, oracle) for e, task in found]
+        for chunk in _by_tokens(found, page_tokens):
+            ids = [e.id for e, _ in chunk]
+            turns: dict[uuid.UUID, list[Turn]] = {i: [] for i in ids}
+            if not answers.hides_turns(oracle):
+                async with AsyncSession(engine) as session:
+                    for t in (await session.scalars(sa.select(Turn).where(Turn.episode_id.in_(ids))
+                                                    .order_by(Turn.episode_id, Turn.idx))).all():
+                        turns[t.episode_id].append(t)
+            yield [_row(run, e, task, turns[e.id], answers, oracle) for e, task in chunk]
         last = found[-1][0]
         after = (last.created_at, last.sample_index, last.id)
+
+
+def _by_tokens(found: list, limit: int) -> list[list]:
+    """Consecutive runs of episodes of at most `limit` tokens together (one at least)."""
+    out, size = [[]], 0
+    for row in found:
+        n = (row[0].input_tokens or 0) + (row[0].output_tokens or 0)
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(row)
+        size += n
+    return out
 
 
 def _schema():
@@ -275,12 +294,12 @@ class Encoder:
 
 
 async def stream(engine: AsyncEngine, run_id: uuid.UUID, fmt: Format, answers: Answers,
-                 flt: ExportFilter = ExportFilter(), page: int = PAGE,
+                 flt: ExportFilter = ExportFilter(), page: int = PAGE, page_tokens: int = PAGE_TOKENS,
                  counts: dict | None = None) -> AsyncIterator[bytes]:  # fmt: skip
     """The export file's bytes, page by page (raises NotFound for an unknown run on the first);
     `counts["rows"]`, when given, counts the rows written."""
     encoder = Encoder(fmt)
-    async for p in rows(engine, run_id, answers, flt, page):
+    async for p in rows(engine, run_id, answers, flt, page, page_tokens):
         if counts is not None:
             counts["rows"] = counts.get("rows", 0) + len(p)
         if chunk := encoder.feed(p):
