@@ -70,7 +70,7 @@ async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = No
     spec = ImageSpec(source=resolve_source(task, cfg),
                            commit=task.environment_setup_commit or task.base_commit,
                            install=tuple(task.install or ()), build_timeout_s=cfg.build_timeout_s,
-                           start=task.base_commit, history=task.history_mode())
+                           start=task.base_commit, history=task.history_mode(), python=task.python)
     if cfg.backend == "docker":
         return DockerSandboxConfig(image=await prepare_docker(spec), limits=limits, episode=episode)
     return BwrapSandboxConfig(root=await prepare_bwrap(spec, cfg.image_cache_dir), limits=limits,

@@ -60,7 +60,12 @@ class Task(BaseModel):
     image: str | None = Field(None, min_length=1)
     """A prebuilt environment image; skips building from `source` and `install`."""
     install: list[str] | None = None
-    """Shell commands that prepare the environment, run in order."""
+    """Shell commands that prepare the environment, run in order, in the environment's own
+    Python environment (sandboxes.base.PYTHON_ENV), as SWE-bench's specs write them
+    (`pip install -e .`); the agent's shell and grading use it too."""
+    python: str | None = Field(None, pattern=r"^3(\.\d{1,2})?$")
+    """The Python of that environment ("3.11": `python3.11` of the base system; None: its
+    `python3`). Setting it makes the environment even without `install`."""
     test_cmd: str | None = Field(None, min_length=1)
     """Runs the tests named in FAIL_TO_PASS and PASS_TO_PASS."""
     log_parser: str = "pytest"
@@ -150,4 +155,5 @@ class Task(BaseModel):
 
     def grading_options(self) -> dict[str, Any]:
         """swerve's fields without a column of their own, as given (stored beside the unknown ones)."""
-        return self.model_dump(include={"history", "integrity_allow", "exit_code_counts"}, exclude_unset=True)
+        return self.model_dump(include={"history", "integrity_allow", "exit_code_counts", "python"},
+                               exclude_unset=True)

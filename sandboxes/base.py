@@ -83,3 +83,15 @@ async def open_sandbox(config) -> AsyncIterator[Sandbox]:
         yield sandbox
     finally:
         await sandbox.close()
+
+
+PYTHON_ENV = ".venv"
+"""The environment's own Python environment, in the repository's folder (as SWE-bench's
+activated `testbed`): first on PATH for the install commands, the agent's shell and grading
+alike, so `pip install -e .` works as SWE-bench's specs write it; git ignores it (through
+.git/info/exclude, which is no part of the repository), so no diff ever holds it."""
+
+
+def path_with_env(workdir: str, rest: str) -> str:
+    """PATH with the environment's Python environment first (PYTHON_ENV under `workdir`)."""
+    return f"{workdir.rstrip('/')}/{PYTHON_ENV}/bin:{rest}"

@@ -18,7 +18,7 @@ import signal
 import uuid
 from pathlib import Path
 
-from sandboxes.base import SandboxError, SandboxLimits
+from sandboxes.base import SandboxError, SandboxLimits, path_with_env
 from sandboxes.cgroups import CgroupError, Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
 from sandboxes.netns import SLIRP_DNS, NetworkError, UserNet, read_child_pid
@@ -31,7 +31,7 @@ SANDBOX_UID = 1000
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
              "localtime", "nsswitch.conf", "hosts", "resolv.conf", "mime.types", "gitconfig",
              "python3", "python3.11", "debian_version", "os-release", "protocols", "services")
-PATH = "/work/.venv/bin:/usr/local/bin:/usr/bin:/bin"
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where bwrap, already unprivileged, finds the sandbox's state: the state folder is bound here in
 # the sandbox's private mount namespace, as its own parents need not be open to the host uid.
 VIEW = "/run/swerve-sandbox"
@@ -132,7 +132,7 @@ class BwrapSandbox(ShellSandbox):
             argv += ["--ro-bind", path, path]
         argv += ["--bind", f"{VIEW}/merged", self.workdir, "--bind", f"{VIEW}/rw/tmp", "/tmp",
                  "--remount-ro", "/", "--chdir", self.workdir, "--clearenv",
-                 "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "USER", "sandbox",
+                 "--setenv", "PATH", path_with_env(self.workdir, SYSTEM_PATH), "--setenv", "HOME", "/tmp", "--setenv", "USER", "sandbox",
                  "--setenv", "LANG", "C.UTF-8", "--setenv", "TERM", "dumb",
                  "--setenv", "PAGER", "cat", "--setenv", "GIT_PAGER", "cat",
                  "--setenv", "PYTHONDONTWRITEBYTECODE", "1",

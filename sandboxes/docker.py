@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 
-from sandboxes.base import SandboxError, SandboxLimits
+from sandboxes.base import SandboxError, SandboxLimits, path_with_env
 from sandboxes.cgroups import ROOT as CGROUP_ROOT
 from sandboxes.cgroups import Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
@@ -24,6 +24,7 @@ from sandboxes.reaper import PeriodicReaper, process_start_time
 from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
 
 logger = logging.getLogger(__name__)
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 LABEL = "swerve.sandbox"
 SANDBOX_USER = "1000:1000"
@@ -107,7 +108,10 @@ class DockerSandbox(ShellSandbox):
                 security_opt=["no-new-privileges"],
                 tmpfs={"/tmp": f"size={limits.disk_mb}m,mode=1777"},
                 environment={"HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat",
-                             "GIT_PAGER": "cat", "PYTHONDONTWRITEBYTECODE": "1"},
+                             "GIT_PAGER": "cat", "PYTHONDONTWRITEBYTECODE": "1"}
+                # the base image (builds, and through their commit every task image made from it)
+                # puts the environment's Python environment first; a prebuilt image keeps its PATH
+                | ({"PATH": path_with_env(config.workdir, SYSTEM_PATH)} if config.image is None else {}),
             )  # fmt: skip
         except docker.errors.DockerException as e:
             raise SandboxError(f"cannot start a container from {image}: {e}") from e

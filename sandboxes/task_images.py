@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from sandboxes.base import SandboxError, SandboxLimits
+from sandboxes.base import PYTHON_ENV, SandboxError, SandboxLimits
 from sandboxes.bwrap import host_uid
 from sandboxes.reaper import Owner
 
@@ -54,11 +54,47 @@ class ImageSpec:
     """The commit the agent starts from, checked out after `install` (None: `commit`)."""
     history: Literal["ancestors", "none"] = "ancestors"
     """What git history the prepared repository keeps (see `HISTORY_SCRIPT`)."""
+    python: str | None = None
+    """The interpreter of the environment's Python environment ("3.11": `python3.11`; None: the
+    base system's `python3`)."""
+
+    def python_env(self) -> bool:
+        """Whether the environment gets its own Python environment (`PYTHON_ENV`): when it
+        installs anything or names its Python. A task with neither runs on the system's Python
+        and its image costs no venv."""
+        return bool(self.install) or self.python is not None
 
     def key(self, backend: str, base: str = "") -> str:
         payload = json.dumps([LAYOUT, backend, base, self.source, self.commit, list(self.install),
-                              self.start, self.history])
+                              self.start, self.history, self.python if self.python_env() else False])
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+PYTHON_ENV_SCRIPT = r"""
+set -e
+if ! command -v "$PY" >/dev/null 2>&1; then
+  echo "the base system has no $PY; it has: $(cd /usr/bin && ls python3* 2>/dev/null | grep -E '^python3(\.[0-9]+)?$' | tr '\n' ' ')"
+  exit 127
+fi
+[ -x "$ENV/bin/python" ] || "$PY" -m venv "$ENV"
+mkdir -p .git/info
+grep -qxF "/$ENV/" .git/info/exclude 2>/dev/null || printf '/%s/\n' "$ENV" >> .git/info/exclude
+"""
+
+
+# What install left in the work tree (egg-info, build folders, compiled extensions) is part of the
+# environment, not of any change: git is told to ignore it (.git/info/exclude), so an agent's
+# diff never carries it and a patch made in one sandbox applies in another built the same way.
+INSTALLED_SCRIPT = r"""
+set -e
+mkdir -p .git/info
+git ls-files -z --others --exclude-standard --directory | python3 -c '
+import re, sys
+names = [n for n in sys.stdin.buffer.read().decode("utf-8", "surrogateescape").split("\0") if n]
+with open(".git/info/exclude", "a", encoding="utf-8", errors="surrogateescape") as f:
+    f.writelines("/" + re.sub(r"([*?\[\\!# ])", r"\\\1", n) + "\n" for n in names)
+'
+"""
 
 
 LAYOUT = 2  # bump when what a build makes changes: old caches are then rebuilt, never reused
@@ -127,12 +163,30 @@ def checkout(spec: ImageSpec, dest: Path) -> None:
                                         done.stdout + done.stderr)
 
 
+async def _make_python_env(sandbox, spec: ImageSpec) -> None:
+    py = f"python{spec.python}" if spec.python else "python3"
+    script = f"PY={shlex.quote(py)} ENV={PYTHON_ENV} bash -c {shlex.quote(PYTHON_ENV_SCRIPT)}"
+    result = await sandbox.execute(script, timeout_s=spec.build_timeout_s)
+    if result.exit_code == 127:
+        raise ImageBuildError(f"python environment: the task's python {spec.python!r} (`{py}`) is not in "
+                              "the base system; name one it has, or give the task a prebuilt `image`",
+                              result.output)
+    if result.exit_code != 0:
+        raise ImageBuildError(f"python environment ({py} -m venv {PYTHON_ENV})", result.output)
+
+
 async def _run_install(sandbox, spec: ImageSpec) -> None:
+    if spec.python_env():
+        await _make_python_env(sandbox, spec)
     for i, command in enumerate(spec.install, 1):
         result = await sandbox.execute(command, timeout_s=spec.build_timeout_s)
         if result.exit_code != 0:
             reason = "timed out" if result.timed_out else f"exit {result.exit_code}"
             raise ImageBuildError(f"install step {i} ({command!r}, {reason})", result.output)
+    if spec.install:
+        result = await sandbox.execute(INSTALLED_SCRIPT, timeout_s=spec.build_timeout_s)
+        if result.exit_code != 0:
+            raise ImageBuildError("listing what install made", result.output)
     await cut_history(sandbox, spec.start or spec.commit, spec.history, spec.build_timeout_s)
 
 

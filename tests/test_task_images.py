@@ -115,3 +115,57 @@ async def test_git_bundle_is_a_source(tmp_path):
                    check=True, capture_output=True)
     root = await prepare_bwrap(ImageSpec(source=str(bundle), commit=second), tmp_path / "images")
     assert (root / "lib.py").read_text() == "VALUE = 2\n"
+
+
+def package_repo(path: Path) -> str:
+    """A package installable the SWE-bench way (`pip install -e .`, setup.py only: no index needed)."""
+    path.mkdir()
+    (path / "mypkg").mkdir()
+    (path / "mypkg" / "__init__.py").write_text("VALUE = 7\n")
+    (path / "setup.py").write_text("from setuptools import setup\nsetup(name='mypkg', version='0.1', "
+                                   "packages=['mypkg'])\n")
+    run = lambda *a: subprocess.run(a, cwd=path, check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    run("git", "init", "-q")
+    run("git", "add", "-A")
+    run("git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    return run("git", "rev-parse", "HEAD")
+
+
+async def test_install_runs_in_the_environments_own_python_environment(backend, tmp_path):
+    """`pip install -e .` as SWE-bench's specs write it, with no venv made by hand: it lands in
+    the environment's own Python environment, which the agent's shell uses too, and which no
+    diff or `git status` ever shows."""
+    commit = package_repo(tmp_path / "repo")
+    spec = ImageSpec(source=str(tmp_path / "repo"), commit=commit,
+                     install=("pip install --no-build-isolation --no-index -e .",))
+    config = await prepare(backend, spec, tmp_path / "images")
+    async with open_sandbox(config) as sb:
+        r = await sb.execute("command -v python pip; cd /tmp && python -c 'import mypkg, sys; "
+                             "print(mypkg.VALUE, sys.prefix)'")
+        assert r.exit_code == 0 and r.output.split() == ["/work/.venv/bin/python", "/work/.venv/bin/pip", "7",
+                                                         "/work/.venv"], r.output
+        r = await sb.execute("cd /work && ls -d mypkg.egg-info && git status --porcelain")
+        assert r.output == "mypkg.egg-info\n", r.output  # what install made is no change
+        r = await sb.execute("pip install --no-index --no-build-isolation -e . >/dev/null && echo ok; git status --porcelain")
+        assert r.output == "ok\n", r.output  # the agent may install too; nothing of it is a change
+        r = await sb.execute("git add -A && git diff --cached --stat | wc -l")
+        assert r.output == "0\n", r.output
+
+
+async def test_a_task_without_install_runs_on_the_system_python(backend, tmp_path):
+    first, _ = git_repo(tmp_path / "repo")
+    config = await prepare(backend, ImageSpec(source=str(tmp_path / "repo"), commit=first), tmp_path / "images")
+    async with open_sandbox(config) as sb:
+        r = await sb.execute("test -e .venv && echo venv; command -v python3")
+        assert r.output == "/usr/bin/python3\n", r.output
+
+
+async def test_the_python_a_task_names_is_its_environments_or_a_clear_error(backend, tmp_path):
+    first, _ = git_repo(tmp_path / "repo")
+    spec = ImageSpec(source=str(tmp_path / "repo"), commit=first, python="3.11")
+    async with open_sandbox(await prepare(backend, spec, tmp_path / "images")) as sb:
+        r = await sb.execute("python --version; readlink -f .venv/bin/python")
+        assert r.output.startswith("Python 3.11.") and r.output.strip().endswith("python3.11"), r.output
+    with pytest.raises(ImageBuildError, match=r"the task's python '3.4' \(`python3.4`\) is not in the base system") as info:
+        await prepare(backend, ImageSpec(source=str(tmp_path / "repo"), commit=first, python="3.4"), tmp_path / "images")
+    assert "python3.11" in str(info.value)  # what the base system has
