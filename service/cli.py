@@ -242,6 +242,39 @@ def train(
     os.execv(sys.executable, [sys.executable, "-m", "trainer", f"--config={config}", f"--nproc={nproc}", *ctx.args])
 
 
+@app.command("eval")
+def eval_predictions(
+    predictions: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True,
+                                                help="SWE-bench predictions: instance_id, model_name_or_path, "
+                                                     "model_patch (JSON Lines, or JSON).")],
+    suite: Annotated[Path, typer.Option(exists=True, dir_okay=False, readable=True,
+                                        help="The suite file the predictions are for (JSON Lines or JSON).")],
+    run_id: Annotated[str, typer.Option(help="Names this evaluation; rerun with it to resume.")] = "swerve-eval",
+    out: Annotated[Path, typer.Option(help="Where reports go (SWE-bench's layout).")] = Path("evaluation_results"),
+    backend: Annotated[str, typer.Option(help="Sandbox backend: bwrap or docker.")] = "bwrap",
+    concurrency: Annotated[int, typer.Option(min=1, help="Predictions graded at once.")] = 4,
+) -> None:
+    """Grade predictions as the SWE-bench harness does; print its run report (resolved_ids, ...)."""
+    from envs.predictions import PredictionsError, evaluate, load_predictions
+    from envs.swe_env import SWEEnvConfig
+    from envs.task import Task
+
+    settings = _settings()
+    try:
+        preds = load_predictions(predictions)
+        tasks = [Task.model_validate(json.loads(line)) for line in suite.read_text().splitlines() if line.strip()] \
+            if suite.suffix != ".json" else [Task.model_validate(t) for t in json.loads(suite.read_text())]
+        cfg = SWEEnvConfig(backend=backend, image_cache_dir=settings.data_dir / "images",
+                           bundle_dirs=(suite.parent / "bundles", settings.data_dir / "bundles"))
+        report = asyncio.run(evaluate(preds, tasks, cfg, out, run_id, concurrency,
+                                      progress=lambda iid, verdict: typer.echo(f"{iid}: {verdict}", err=True)))
+    except PredictionsError as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(2) from e
+    json.dump(report, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
 @app.command("export")
 def export_run(
     run: Annotated[str, typer.Argument(help="The run's id, or its name when one run has it.")],

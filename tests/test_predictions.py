@@ -1,0 +1,89 @@
+"""`swerve eval`: predictions graded as the SWE-bench harness does, on the example suite under
+bubblewrap, as a user runs it: SWE-bench's report layout and fields, resumable, bad files named."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox_fixtures import require_bwrap
+from tests.test_cli import run_cli
+
+pytestmark = pytest.mark.slow
+SUITE = Path(__file__).resolve().parents[1] / "envs" / "example_suite" / "suite.jsonl"
+ROWS = [json.loads(line) for line in SUITE.read_text().splitlines()]
+MODEL = "org/model-7b"
+APPLIES_FIXES_NOTHING = ("diff --git a/notes.txt b/notes.txt\nnew file mode 100644\n--- /dev/null\n+++ b/notes.txt\n"
+                         "@@ -0,0 +1 @@\n+hello\n")
+DOES_NOT_APPLY = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-old\n+new\n"
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def predictions(tmp_path: Path) -> Path:
+    patches = [ROWS[0]["patch"], "", DOES_NOT_APPLY, APPLIES_FIXES_NOTHING]
+    return write(tmp_path / "preds.jsonl", [{"instance_id": r["instance_id"], "model_name_or_path": MODEL,
+                                             "model_patch": p} for r, p in zip(ROWS, patches)])
+
+
+def test_reports_in_swebench_shape_and_a_rerun_resumes(tmp_path):
+    require_bwrap()
+    env = {"SWERVE_DATA_DIR": str(tmp_path / "var"), "PATH": os.environ["PATH"]}
+    out = tmp_path / "results"
+    args = ["eval", str(predictions(tmp_path)), "--suite", str(SUITE), "--run-id", "r1", "--out", str(out)]
+    done = run_cli(args, env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    ids = [r["instance_id"] for r in ROWS]
+    report = json.loads(done.stdout)
+    assert report == json.loads((out / "org__model-7b.r1.json").read_text())
+    assert report["resolved_ids"] == [ids[0]] and report["empty_patch_ids"] == [ids[1]]
+    assert report["error_ids"] == [ids[2]] and report["unresolved_ids"] == [ids[3]]
+    assert report["completed_ids"] == sorted([ids[0], ids[3]]) and len(report["incomplete_ids"]) == len(ROWS) - 4
+    assert (report["total_instances"], report["submitted_instances"], report["resolved_instances"]) == (len(ROWS), 4, 1)
+    folder = out / "r1" / "org__model-7b"
+    solved = json.loads((folder / ids[0] / "report.json").read_text())[ids[0]]
+    assert solved["resolved"] and solved["patch_exists"] and solved["patch_successfully_applied"]
+    assert solved["tests_status"]["FAIL_TO_PASS"] == {"success": ROWS[0]["FAIL_TO_PASS"], "failure": []}
+    assert sorted(solved["tests_status"]["PASS_TO_PASS"]["success"]) == sorted(ROWS[0]["PASS_TO_PASS"])
+    assert set(solved["tests_status"]) == {"FAIL_TO_PASS", "PASS_TO_PASS", "FAIL_TO_FAIL", "PASS_TO_FAIL"}
+    unsolved = json.loads((folder / ids[3] / "report.json").read_text())[ids[3]]
+    assert not unsolved["resolved"] and unsolved["tests_status"]["FAIL_TO_PASS"]["failure"] == ROWS[3]["FAIL_TO_PASS"]
+    assert "does not apply" in (folder / ids[2] / "error.txt").read_text()
+    assert not (folder / ids[2] / "report.json").exists() and not (folder / ids[1]).exists()
+
+    stamps = {i: (folder / i / "report.json").stat().st_mtime_ns for i in (ids[0], ids[3])}
+    again = run_cli(args, env, timeout=600)
+    assert again.returncode == 0 and json.loads(again.stdout) == report
+    assert {i: (folder / i / "report.json").stat().st_mtime_ns for i in stamps} == stamps  # not graded again
+    assert again.stderr.split() == [f"{ids[2]}:", "error"]  # only the error is tried again
+
+
+@pytest.mark.parametrize(("rows", "says"), [
+    ([{"instance_id": "x", "model_name_or_path": MODEL}], "line 1: model_patch: missing"),
+    ([{"instance_id": ROWS[0]["instance_id"], "model_name_or_path": MODEL, "model_patch": 3}], "model_patch: must be"),
+    ([{"instance_id": "nope__nope-1", "model_name_or_path": MODEL, "model_patch": ""}], "instance_id: nope__nope-1 not in the suite"),
+    ([{"instance_id": ROWS[0]["instance_id"], "model_name_or_path": MODEL, "model_patch": ""}] * 2, "predicted twice"),
+])  # fmt: skip
+def test_bad_predictions_are_named_and_nothing_is_written(tmp_path, rows, says):
+    out = tmp_path / "results"
+    done = run_cli(["eval", str(write(tmp_path / "p.jsonl", rows)), "--suite", str(SUITE), "--out", str(out)],
+                   {"SWERVE_DATA_DIR": str(tmp_path / "var")})
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_the_json_shapes_swebench_accepts_load_the_same(tmp_path):
+    from envs.predictions import load_predictions
+
+    rows = [{"instance_id": r["instance_id"], "model_name_or_path": MODEL, "model_patch": r["patch"]} for r in ROWS[:3]]
+    as_list, as_object = tmp_path / "list.json", tmp_path / "object.json"
+    as_list.write_text(json.dumps(rows))
+    as_object.write_text(json.dumps({r["instance_id"]: r for r in rows}))
+    want = load_predictions(write(tmp_path / "p.jsonl", rows))
+    assert load_predictions(as_list) == load_predictions(as_object) == want and len(want) == 3
