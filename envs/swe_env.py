@@ -65,6 +65,8 @@ async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = No
                          limits: SandboxLimits | None = None):  # fmt: skip
     """The sandbox config for a task: its task image built (once) and ready to copy."""
     limits = limits or cfg.limits
+    if missing := task.spec_missing():
+        raise SandboxError(missing)
     if task.image and cfg.backend == "docker":
         return DockerSandboxConfig(image=task.image, limits=limits, episode=episode)
     spec = ImageSpec(source=resolve_source(task, cfg),

@@ -87,3 +87,17 @@ def test_the_json_shapes_swebench_accepts_load_the_same(tmp_path):
     as_object.write_text(json.dumps({r["instance_id"]: r for r in rows}))
     want = load_predictions(write(tmp_path / "p.jsonl", rows))
     assert load_predictions(as_list) == load_predictions(as_object) == want and len(want) == 3
+
+
+def test_a_swebench_v4_row_without_its_spec_is_refused_by_name_not_graded_on_defaults(tmp_path):
+    """A v4-shaped row (repo + version, nothing to build or run it with) names what to add;
+    graded on defaults it would have been a whole-repository pytest on a bare checkout."""
+    row = json.loads((Path(__file__).parent / "data" / "swebench_sample.jsonl").read_text().splitlines()[0])
+    assert row.get("version") and not {"install", "test_cmd", "image", "eval_script"} & set(row)
+    suite = write(tmp_path / "v4.jsonl", [row])
+    done = run_cli(["suite", "validate", str(suite), "--json"], {"SWERVE_DATA_DIR": str(tmp_path / "var")})
+    assert done.returncode == 1, done.stderr
+    [result] = json.loads(done.stdout)
+    assert not result["valid"] and "SWE-bench row of the v4 shape" in result["error"]
+    assert "add `install` and `test_cmd`" in result["error"] and row["instance_id"] in result["error"]
+    assert not (tmp_path / "var" / "images").exists() or not any((tmp_path / "var" / "images").iterdir())
