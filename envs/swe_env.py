@@ -68,7 +68,11 @@ async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = No
     if missing := task.spec_missing():
         raise SandboxError(missing)
     if task.image and cfg.backend == "docker":
-        return DockerSandboxConfig(image=task.image, limits=limits, episode=episode)
+        return DockerSandboxConfig(image=task.image, limits=limits, episode=episode, workdir=task.repo_dir())
+    if task.eval_script:
+        raise SandboxError(f"{task.instance_id}: a SWE-bench 5 row (`eval_script`) runs in its `image`"
+                           + (", which only the docker backend runs: use --backend docker" if task.image
+                              else "; it has none: add the row's `image`"))
     spec = ImageSpec(source=resolve_source(task, cfg),
                            commit=task.environment_setup_commit or task.base_commit,
                            install=tuple(task.install or ()), build_timeout_s=cfg.build_timeout_s,
@@ -103,7 +107,7 @@ class StepResult:
 class SWEEnv:
     def __init__(self, task: Task, sandbox, cfg: SWEEnvConfig):
         self.task, self.sandbox, self.cfg = task, sandbox, cfg
-        self.editor = Editor(sandbox)
+        self.editor = Editor(sandbox, workdir=task.repo_dir())
         self._base: str | None = None
 
     async def base(self) -> str:
@@ -160,13 +164,24 @@ async def grade(task: Task, diff: str, cfg: SWEEnvConfig) -> GradingReport:
     try:
         limits = cfg.limits.model_copy(update={"output_limit_bytes": GRADING_OUTPUT_BYTES})
         async with task_sandbox(task, cfg, f"grade:{task.instance_id}", limits) as sandbox:
-            await apply_patch(sandbox, diff, "agent")
+            if task.eval_script:
+                from envs.swebench5 import apply_model_patch
+
+                await apply_model_patch(sandbox, diff)
+            else:
+                await apply_patch(sandbox, diff, "agent")
             graded = {file_of_test(t) for t in task.FAIL_TO_PASS + task.PASS_TO_PASS} | set(patch_files(task.test_patch))
             guards = [asdict(g) for g in await guard_changes(
                 sandbox, diff=diff, base_commit=BASE_TAG, graded=graded, mode=cfg.integrity, allow=task.integrity_allow)]
             if any(g["guard"] == "rejected" for g in guards):
                 return GradingReport(resolution="NO", fail_to_pass={"success": [], "failure": list(task.FAIL_TO_PASS)},
                                      pass_to_pass={"success": [], "failure": []}, guards=guards)
+            if task.eval_script:
+                from envs.swebench5 import run_eval_script
+
+                report = await run_eval_script(sandbox, task, cfg.test_timeout_s)
+                report.guards = guards + report.guards
+                return report
             report = await run_tests(sandbox, base_commit=BASE_TAG, test_patch=task.test_patch,
                                      test_cmd=task.test_cmd or DEFAULT_TEST_CMD, parser=task.log_parser,
                                      f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS,

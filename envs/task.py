@@ -10,7 +10,7 @@ import re
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 LOG_PARSERS = (
     "pytest", "pytest_v2", "pytest_options", "django", "sympy", "seaborn", "matplotlib",
@@ -18,6 +18,8 @@ LOG_PARSERS = (
 """Log parsers a task may name (SWE-bench's names, without the `parse_log_` prefix)."""
 
 _COMMIT = re.compile(r"^[0-9a-fA-F]{7,64}$")
+_SWEBENCH_PARSER = re.compile(r"^[a-z][a-z0-9_]*$")
+"""A parser name of the swebench package (parse_log_NAME), checked against it at grading."""
 _INSTANCE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/+@]*$")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9._\-]+)+$")
 
@@ -59,6 +61,15 @@ class Task(BaseModel):
     """Where the repository comes from: a git URL, a local path or `bundle:NAME`."""
     image: str | None = Field(None, min_length=1)
     """A prebuilt environment image; skips building from `source` and `install`."""
+    eval_script: str | None = Field(None, min_length=1)
+    """SWE-bench 5's grading script (its rows carry it beside `image`): run as SWE-bench's
+    harness runs it after the model patch, its log parsed between the harness's markers
+    (envs/swebench5.py). Set, it replaces `test_patch` + `test_cmd` at grading."""
+    eval_type: Literal["pass_and_fail", "fail_only"] = "pass_and_fail"
+    """SWE-bench 5's rule for the test lists (fail_only: an absent F2P test counts as passed)."""
+    workdir: str | None = Field(None, pattern=r"^/[A-Za-z0-9._/-]*$")
+    """Where the repository is in `image` (None: /testbed for an `eval_script` row, as
+    SWE-bench's images; /work otherwise)."""
     install: list[str] | None = None
     """Shell commands that prepare the environment, run in order, in the environment's own
     Python environment (sandboxes.base.PYTHON_ENV), as SWE-bench's specs write them
@@ -142,12 +153,21 @@ class Task(BaseModel):
 
     @field_validator("log_parser", mode="before")
     @classmethod
-    def _log_parser(cls, v: Any) -> Any:
+    def _log_parser(cls, v: Any, info: ValidationInfo) -> Any:
         if isinstance(v, str):
             v = v.removeprefix("parse_log_")
-            if v not in LOG_PARSERS:
-                raise ValueError(f"unknown log parser {v!r}; use one of {', '.join(LOG_PARSERS)}")
+            if v in LOG_PARSERS:
+                return v
+            if not info.data.get("eval_script"):
+                raise ValueError(f"unknown log parser {v!r}; use one of {', '.join(LOG_PARSERS)} (a parser of "
+                                 "the swebench package, parse_log_NAME, grades an `eval_script` row only)")
+            if not _SWEBENCH_PARSER.match(v):
+                raise ValueError(f"{v!r} is no parser name; the swebench package's are parse_log_NAME")
         return v
+
+    def repo_dir(self) -> str:
+        """Where the agent works and grading runs: the repository's folder in its sandbox."""
+        return self.workdir or ("/testbed" if self.eval_script else "/work")
 
     def unknown_fields(self) -> dict[str, Any]:
         """Fields swerve does not know, kept verbatim."""
@@ -170,5 +190,6 @@ class Task(BaseModel):
 
     def grading_options(self) -> dict[str, Any]:
         """swerve's fields without a column of their own, as given (stored beside the unknown ones)."""
-        return self.model_dump(include={"history", "integrity_allow", "exit_code_counts", "python"},
+        return self.model_dump(include={"history", "integrity_allow", "exit_code_counts", "python", "eval_script",
+                                        "eval_type", "workdir"},
                                exclude_unset=True)

@@ -118,7 +118,9 @@ class DockerSandbox(ShellSandbox):
 
     async def _prepare(self) -> None:
         """Make the workdir (owned by the sandbox user) and note the keeper's pid."""
-        script = (f"mkdir -p {self.workdir} && chown 1000:1000 {self.workdir} && "
+        # a prebuilt image's repository (SWE-bench's /testbed) belongs to root: hand it over whole
+        script = (f"mkdir -p {self.workdir} && {{ [ \"$(stat -c %u {self.workdir})\" = 1000 ] || "
+                  f"chown -R 1000:1000 {self.workdir}; }} && "
                   "for d in /proc/[0-9]*; do p=${d#/proc/}; "
                   "[ \"$(cut -d' ' -f4 $d/stat 2>/dev/null)\" = 1 ] && echo $p; done; true")
         code, out = await asyncio.to_thread(self.container.exec_run, ["sh", "-c", script], user="0")
