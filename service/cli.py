@@ -253,22 +253,22 @@ def eval_predictions(
     out: Annotated[Path, typer.Option(help="Where reports go (SWE-bench's layout).")] = Path("evaluation_results"),
     backend: Annotated[str, typer.Option(help="Sandbox backend: bwrap or docker.")] = "bwrap",
     concurrency: Annotated[int, typer.Option(min=1, help="Predictions graded at once.")] = 4,
+    format: Annotated[str, typer.Option("--format", help="The suite rows' dataset (auto: told from each row).")] = "auto",  # noqa: A002
 ) -> None:
     """Grade predictions as the SWE-bench harness does; print its run report (resolved_ids, ...)."""
+    from envs.datasets import DatasetRowError, load_tasks
     from envs.predictions import PredictionsError, evaluate, load_predictions
     from envs.swe_env import SWEEnvConfig
-    from envs.task import Task
 
     settings = _settings()
     try:
         preds = load_predictions(predictions)
-        tasks = [Task.model_validate(json.loads(line)) for line in suite.read_text().splitlines() if line.strip()] \
-            if suite.suffix != ".json" else [Task.model_validate(t) for t in json.loads(suite.read_text())]
+        tasks = load_tasks(suite, format)
         cfg = SWEEnvConfig(backend=backend, image_cache_dir=settings.data_dir / "images",
                            bundle_dirs=(suite.parent / "bundles", settings.data_dir / "bundles"))
         report = asyncio.run(evaluate(preds, tasks, cfg, out, run_id, concurrency,
                                       progress=lambda iid, verdict: typer.echo(f"{iid}: {verdict}", err=True)))
-    except PredictionsError as e:
+    except (PredictionsError, DatasetRowError) as e:
         typer.secho(str(e), fg="red", err=True)
         raise typer.Exit(2) from e
     json.dump(report, sys.stdout, indent=1)
@@ -385,8 +385,11 @@ def suite_import(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True)],
     name: Annotated[str | None, typer.Option(help="Suite name (default: the file's stem).")] = None,
     skip_existing: Annotated[bool, typer.Option(help="Do nothing if a suite of that name exists.")] = False,
+    format: Annotated[str, typer.Option("--format", help="The rows' dataset: auto, swe-bench, swe-gym, "  # noqa: A002
+                                        "swe-smith, swe-rebench or r2e-gym.")] = "auto",
 ) -> None:
-    """Import a SWE-bench suite (JSONL or a JSON array); a bad record imports nothing."""
+    """Import a suite (JSON Lines, a JSON array or Parquet, rows as the dataset ships them); a
+    bad record imports nothing."""
     from service.control import suites
     from service.store.db import make_async_engine
 
@@ -395,10 +398,9 @@ def suite_import(
     async def run() -> suites.ImportResult:
         engine = make_async_engine(settings.resolved_database_url)
         try:
-            parse = suites.parser_for_file(str(file))
             return await suites.import_suite(
-                engine, name or file.stem, parse(suites.file_chunks(str(file))),
-                max_listed_errors=settings.max_listed_errors,
+                engine, name or file.stem, suites.records_of_file(str(file)),
+                max_listed_errors=settings.max_listed_errors, fmt=format,
             )
         finally:
             await engine.dispose()
@@ -433,18 +435,22 @@ def suite_validate(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
     backend: Annotated[str, typer.Option(help="Sandbox backend: bwrap or docker.")] = "bwrap",
     concurrency: Annotated[int, typer.Option(min=1)] = 4,
+    format: Annotated[str, typer.Option("--format", help="The rows' dataset (auto: told from each row).")] = "auto",  # noqa: A002
 ) -> None:
     """Check every task: the gold patch must be FULL, the empty patch must fail every FAIL_TO_PASS."""
     from rich.console import Console
     from rich.table import Table
 
+    from envs.datasets import DatasetRowError, load_tasks
     from envs.swe_env import SWEEnvConfig
-    from envs.task import Task
     from envs.validate import validate_suite
 
     settings = _settings()
-    tasks = [Task.model_validate(json.loads(line)) for line in file.read_text().splitlines() if line.strip()] \
-        if not str(file).endswith(".json") else [Task.model_validate(t) for t in json.loads(file.read_text())]
+    try:
+        tasks = load_tasks(file, format)
+    except DatasetRowError as e:
+        typer.secho(str(e), fg="red", err=True)
+        raise typer.Exit(2) from e
     if only:
         missing = set(only) - {t.instance_id for t in tasks}
         if missing:

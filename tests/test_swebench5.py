@@ -6,19 +6,15 @@ task's repository at /testbed owned by root, as SWE-bench's images are."""
 
 from __future__ import annotations
 
-import io
 import json
-import subprocess
-import tarfile
-from pathlib import Path
 
 import pytest
 
-from envs.families import generate
 from envs.grading import RewardError
 from envs.swe_env import SWEEnvConfig, grade, task_sandbox
 from envs.task import Task
 from sandboxes.base import SandboxError
+from tests.dataset_images import generated_task, image_with_repo, touched_tests
 from tests.sandbox_fixtures import require_docker
 
 pytestmark = pytest.mark.slow
@@ -39,36 +35,14 @@ git checkout {base} {tests}
 """
 
 
-def swebench_image(client, repo: Path, name: str) -> str:
-    """`name`: the base image with `repo` (its whole history) at /testbed, owned by root."""
-    from sandboxes.images import BASE_IMAGE, ensure_base_image
-
-    ensure_base_image(client, BASE_IMAGE)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(str(repo), arcname="testbed", filter=lambda t: (setattr(t, "uid", 0), setattr(t, "gid", 0), t)[-1])
-    box = client.containers.create(BASE_IMAGE, ["sleep", "infinity"])
-    try:
-        box.put_archive("/", buf.getvalue())
-        repository, tag = name.rsplit(":", 1)
-        box.commit(repository=repository, tag=tag)
-    finally:
-        box.remove(force=True)
-    return name
-
-
 @pytest.fixture(scope="module")
 def v5_row(tmp_path_factory):
     client = require_docker()
     tmp = tmp_path_factory.mktemp("v5")
-    [row] = generate("pyfix", 1, 7, "train", tmp / "gen.jsonl", bundles_dir=tmp / "bundles")
-    repo = tmp / "repo"
-    subprocess.run(["git", "clone", "-q", str(tmp / "bundles" / f"{row['source'].removeprefix('bundle:')}.bundle"),
-                    str(repo)], check=True)
-    subprocess.run(["git", "-C", str(repo), "checkout", "-q", row["base_commit"]], check=True)
+    row, repo = generated_task(tmp, 7)
     owner, name = row["instance_id"].split("__")
-    image = swebench_image(client, repo, f"swebench/sweb.eval.x86_64.{owner}_1776_{name}:latest".lower())
-    tests = " ".join(sorted({line[6:] for line in row["test_patch"].splitlines() if line.startswith("+++ b/")}))
+    image = image_with_repo(client, repo, f"swebench/sweb.eval.x86_64.{owner}_1776_{name}:latest".lower())
+    tests = " ".join(touched_tests(row))
     shipped = {k: v for k, v in row.items() if k not in ("source", "install", "test_cmd", "log_parser")} | {
         "image": image, "version": "1.0", "log_parser": "parse_log_django", "eval_type": "pass_and_fail",
         "eval_script": EVAL_SCRIPT.format(base=row["base_commit"], tests=tests, test_patch=row["test_patch"].rstrip("\n"))}

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from envs import datasets
 from envs.task import Task
 from service.store.tables import Suite, utcnow
 from service.store.tables import Task as TaskRow
@@ -161,7 +162,7 @@ def _nul_path(value: Any, path: str = "") -> str | None:
     return None
 
 
-def _validate(parsed: _Parsed) -> Task | list[RecordError]:
+def _validate(parsed: _Parsed, fmt: str = "auto") -> Task | list[RecordError]:
     def error(field: str | None, message: str, instance_id: str | None = None) -> RecordError:
         return RecordError(parsed.line, parsed.index, instance_id, field, message)
 
@@ -175,7 +176,9 @@ def _validate(parsed: _Parsed) -> Task | list[RecordError]:
         return [error(nul, "holds a NUL character (\\u0000), which no database text column stores; "
                            "remove it (patches and tests cannot contain one either)", instance_id)]
     try:
-        return Task.model_validate(parsed.obj)
+        return Task.model_validate(datasets.adapt(parsed.obj, fmt))
+    except datasets.DatasetRowError as e:
+        return [error(e.field, str(e), instance_id)]
     except ValidationError as e:
         return [
             error(".".join(str(p) for p in err["loc"]) or None, err["msg"], instance_id)
@@ -189,7 +192,8 @@ async def _name_taken(conn: AsyncConnection, name: str) -> bool:
 
 
 async def import_suite(
-    engine: AsyncEngine, name: str, records: AsyncIterable[_Parsed], *, max_listed_errors: int
+    engine: AsyncEngine, name: str, records: AsyncIterable[_Parsed], *, max_listed_errors: int,
+    fmt: str = "auto",
 ) -> ImportResult:
     """Validate and insert every record in one transaction. Raises SuiteImportError."""
     suite_id, errors, error_count = uuid.uuid4(), [], 0
@@ -202,7 +206,7 @@ async def import_suite(
             await conn.execute(sa.insert(Suite).values(
                 id=suite_id, name=name, task_count=0, created_at=utcnow()))
             async for parsed in records:
-                result = _validate(parsed)
+                result = _validate(parsed, fmt)
                 if isinstance(result, Task) and result.instance_id in seen:
                     first = seen[result.instance_id]
                     result = [RecordError(parsed.line, parsed.index, result.instance_id,
@@ -248,6 +252,29 @@ def parser_for(content_type: str) -> Any:
     if media in JSON_TYPES:
         return parse_json_array
     return None
+
+
+async def parse_parquet(path: str) -> AsyncIterator[_Parsed]:
+    """A Parquet file's rows (as the Hugging Face datasets ship them), one row group at a time."""
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
+        yield _Parsed(line=None, index=0, error=f"not a Parquet file: {e}")
+        return
+    index = 0
+    for group in range(file.num_row_groups):
+        for obj in file.read_row_group(group).to_pylist():
+            yield _Parsed(line=None, index=index, obj=obj)
+            index += 1
+
+
+def records_of_file(path: str) -> AsyncIterator[_Parsed]:
+    """The records of a suite file: JSON Lines, a JSON array or Parquet."""
+    if path.endswith(".parquet"):
+        return parse_parquet(path)
+    return parser_for_file(path)(file_chunks(path))
 
 
 def parser_for_file(path: str) -> Any:

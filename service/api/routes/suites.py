@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Annotated
+from typing import Annotated, Literal
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Query, Request, Response
@@ -28,6 +28,8 @@ from service.store.tables import Run, Suite, Task, utcnow
 from service.store.status import RUN_ACTIVE
 
 router = APIRouter(prefix="/suites", tags=["suites"])
+DatasetFormat = Literal["auto", "swe-bench", "swe-gym", "swe-smith", "swe-rebench", "r2e-gym"]
+"""envs.datasets.FORMATS: how the rows are shaped (auto: told from each row's fields)."""
 
 _TASK_ITEM = {"type": "object", "additionalProperties": True,
               "required": ["instance_id", "repo", "base_commit", "problem_statement",
@@ -64,6 +66,7 @@ async def upload_suite(
     engine: EngineDep,
     settings: SettingsDep,
     name: Annotated[str, Query(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$")],
+    format: DatasetFormat = "auto",  # noqa: A002
 ) -> SuiteCreated:
     """Import a suite; every record is validated and nothing is written if one is bad."""
     parse = importer.parser_for(request.headers.get("content-type", ""))
@@ -75,7 +78,7 @@ async def upload_suite(
         raise importer.UploadTooLarge(settings.max_upload_bytes)
     chunks = importer.limit_size(request.stream(), settings.max_upload_bytes)
     result = await importer.import_suite(
-        engine, name, parse(chunks), max_listed_errors=settings.max_listed_errors
+        engine, name, parse(chunks), max_listed_errors=settings.max_listed_errors, fmt=format
     )
     return SuiteCreated(id=result.suite_id, name=result.name, task_count=result.task_count)
 
