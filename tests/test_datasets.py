@@ -66,6 +66,7 @@ def rebench_v2(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.docker
 async def test_a_swe_rebench_v2_row_runs_in_its_image_by_its_own_command(rebench_v2, tmp_path):
     shipped, row = rebench_v2
     task = Task.model_validate(datasets.adapt(shipped))
@@ -81,6 +82,7 @@ async def test_a_swe_rebench_v2_row_runs_in_its_image_by_its_own_command(rebench
 
 
 @pytest.mark.slow
+@pytest.mark.docker
 def test_import_and_validate_take_the_files_as_they_ship(rebench_v2, tmp_path, db_url):
     shipped, _ = rebench_v2
     parquet = tmp_path / "rebench.parquet"

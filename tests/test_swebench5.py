@@ -17,7 +17,7 @@ from sandboxes.base import SandboxError
 from tests.dataset_images import generated_task, image_with_repo, touched_tests
 from tests.sandbox_fixtures import require_docker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
 EVAL_SCRIPT = """#!/bin/bash
 set -uxo pipefail
 cd /testbed
