@@ -61,6 +61,26 @@ def _labels(sandbox_id: str, limits: SandboxLimits, episode: str | None) -> dict
             "swerve.episode": episode or ""}
 
 
+def _have_image(client, image: str) -> None:
+    """The image on this engine: there already, or pulled from its registry. Raises SandboxError
+    saying what to do when neither (a dataset's image where no registry is reachable)."""
+    import docker
+    from docker.utils import parse_repository_tag
+
+    try:
+        client.images.get(image)
+        return
+    except docker.errors.ImageNotFound:
+        pass
+    repository, tag = parse_repository_tag(image)
+    try:
+        client.images.pull(repository, tag=tag or "latest")
+    except docker.errors.DockerException as e:
+        raise SandboxError(f"image {image} is not on this Docker engine and could not be pulled from its registry "
+                           f"({str(e)[:300]}): pull or build it there under that name (docker pull, docker load), "
+                           "or give the engine access to the registry") from e
+
+
 class DockerSandbox(ShellSandbox):
     def __init__(self, config, container, client):
         super().__init__()
@@ -97,6 +117,7 @@ class DockerSandbox(ShellSandbox):
             network = docker_egress_network(client) if limits.network else "none"
         except NetworkError as e:
             raise SandboxError(str(e)) from e
+        _have_image(client, image)
         try:
             return client.containers.run(
                 image, ["sleep", "infinity"], name=sandbox_id, detach=True, init=True,

@@ -86,6 +86,10 @@ async def test_a_v5_row_elsewhere_says_what_it_needs(v5_row, tmp_path):
     without = {k: v for k, v in v5_row.items() if k != "eval_script"}
     with pytest.raises(ValueError, match="(?s)log_parser.*grades an `eval_script` row only"):
         Task.model_validate(without | {"log_parser": "parse_log_astropy"})
+    absent = Task.model_validate(v5_row | {"image": "swerve-nowhere/sweb.eval.x86_64.absent:1"})
+    with pytest.raises(SandboxError, match="is not on this Docker engine and could not be pulled"):
+        async with task_sandbox(absent, config(tmp_path)):
+            pass
     bad = Task.model_validate(v5_row | {"log_parser": "parse_log_nonesuch"})
     with pytest.raises(RewardError, match="parse_log_nonesuch.*is not a parser of the installed swebench"):
         await grade(bad, bad.patch, config(tmp_path))
