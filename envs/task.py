@@ -175,15 +175,14 @@ class Task(BaseModel):
 
     def spec_missing(self) -> str | None:
         """Why this task cannot be run as it ships, or None. A SWE-bench row of the v4 shape
-        (`repo` + `version`, no `install`, `test_cmd`, `image` or `eval_script`) takes its
-        environment and test command from the harness's spec tables by (repo, version), which
-        the swebench package ships no longer (5.x rows carry `image` and `eval_script`); run
-        on defaults it would be graded by a whole-repository pytest on a bare checkout."""
-        extra = self.unknown_fields()
-        if self.version is None or self.test_cmd or self.image or extra.get("eval_script"):
+        (`repo` + `version`, no `test_cmd`, `image` or `eval_script`) takes its environment and
+        test command from the harness's spec tables by (repo, version), which the swebench
+        package ships no longer (5.x rows carry `image` and `eval_script`); run on defaults it
+        would be graded by a whole-repository pytest."""
+        if self.version is None or self.test_cmd or self.image or self.eval_script:
             return None
         return (f"{self.instance_id}: a SWE-bench row of the v4 shape ({self.repo} version {self.version}, "
-                "no install, test_cmd, image or eval_script); its environment and test command are in the "
+                "no test_cmd, image or eval_script); its environment and test command are in the "
                 "SWE-bench harness's spec tables, which the installed swebench package does not ship: add "
                 "`install` and `test_cmd` (the test files of test_patch, as SWE-bench's eval script runs "
                 "them), or use the SWE-bench 5 row with `image` and `eval_script`")
