@@ -10,21 +10,21 @@ one adapter each; `detect` tells the format from a row's fields.
   and whose install is not run again; V1 rows build from the repository with that install
   (`environment_setup_commit` is the base commit, as SWE-rebench's fork sets it).
 
-SWE-smith (the bug as `patch` on an instance branch) and R2E-Gym (hidden tests in the image,
-reward by exact match to `expected_output_json`) are detected and refused by name: their
-environments are not built yet.
+- swe-smith: `image_name` (the mirror's code at /testbed), `patch` the bug (the gold fix is its
+  reverse), the instance's branch; its F2P test files hidden from the agent and restored for
+  grading (envs/harnesses.py). `repo` is the mirror, `swesmith/<owner>__<name>.<commit8>`.
+- r2e-gym: `docker_image` (/testbed, `.venv`, run_tests.sh, hidden tests at /r2e_tests), the
+  reward exact-match with `expected_output_json`; the base commit and the gold fix come from
+  `parsed_commit_content`, FAIL_TO_PASS and PASS_TO_PASS from `execution_result_content`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 FORMATS = ("auto", "swe-bench", "swe-gym", "swe-smith", "swe-rebench", "r2e-gym")
-NOT_YET = {
-    "swe-smith": "SWE-smith rows (the bug on an instance branch of image_name's mirror) are not supported yet",
-    "r2e-gym": "R2E-Gym rows (hidden tests in docker_image, expected_output_json) are not supported yet",
-}
 
 
 class DatasetRowError(ValueError):
@@ -53,9 +53,8 @@ def adapt(row: Any, fmt: str = "auto") -> Any:
     if not isinstance(row, dict):
         return row  # Task's own validation says what is wrong
     kind = detect(row) if fmt == "auto" else fmt
-    if kind in NOT_YET:
-        raise DatasetRowError(None, f"{NOT_YET[kind]} (format {kind})")
-    return {"swe-bench": dict, "swe-gym": _swe_gym, "swe-rebench": _swe_rebench}[kind](row)
+    return {"swe-bench": dict, "swe-gym": _swe_gym, "swe-rebench": _swe_rebench, "swe-smith": _swe_smith,
+            "r2e-gym": _r2e_gym}[kind](row)
 
 
 def swe_gym_image(instance_id: str) -> str:
@@ -102,6 +101,93 @@ def _swe_rebench(row: dict) -> dict:
         out["install"] = [install] if isinstance(install, str) else list(install)
         out["environment_setup_commit"] = row.get("base_commit")  # as the fork sets it
     out["swe_rebench"] = {k: v for k, v in extra.items() if v is not None}
+    return out
+
+
+_MIRROR = re.compile(r"^swesmith/(?P<owner>[^/_]+(?:_[^/_]+)*?)__(?P<name>[^/]+)\.(?P<commit>[0-9a-f]{8})$")
+
+
+def swe_smith_image(mirror: str, arch: str = "x86_64") -> str | None:
+    """RepoProfile.image_name for a mirror name (None: not a mirror name)."""
+    if not (m := _MIRROR.match(mirror)):
+        return None
+    return f"jyangballin/swesmith.{arch}.{m['owner']}_1776_{m['name']}.{m['commit']}".lower()
+
+
+def _json_field(row: dict, field: str, kind: type) -> Any:
+    value = row.get(field)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DatasetRowError(field, f"{field}: not JSON ({e.msg})") from e
+    if not isinstance(value, kind):
+        raise DatasetRowError(field, f"{field}: missing or not a JSON {kind.__name__}")
+    return value
+
+
+def _swe_smith(row: dict) -> dict:
+    from envs.harnesses import reverse_patch
+
+    out = {k: v for k, v in row.items() if k not in ("image_name", "patch")}
+    repo = str(row.get("repo", ""))
+    m = _MIRROR.match(repo)
+    if not m and not row.get("base_commit"):
+        raise DatasetRowError("repo", f"repo: {repo!r} is not a SWE-smith mirror name "
+                                      "(swesmith/<owner>__<name>.<commit8>), and the row has no base_commit")
+    out.setdefault("base_commit", m["commit"] if m else None)  # the upstream commit the mirror holds
+    image = row.get("image_name") or swe_smith_image(repo)
+    if not image:
+        raise DatasetRowError("image_name", "image_name: missing; a SWE-smith row runs in its image")
+    bug = row.get("patch")
+    if not isinstance(bug, str) or not bug.strip():
+        raise DatasetRowError("patch", "patch: missing; a SWE-smith row's patch is the diff that makes its bug")
+    try:
+        gold = reverse_patch(bug)
+    except ValueError as e:
+        raise DatasetRowError("patch", f"patch: {e}") from e
+    f2p = row.get("FAIL_TO_PASS")
+    f2p = json.loads(f2p) if isinstance(f2p, str) else f2p
+    if not row.get("test_cmd") and isinstance(f2p, list) and any("::" not in str(t) for t in f2p):
+        raise DatasetRowError("test_cmd", "test_cmd: missing; these FAIL_TO_PASS ids are not pytest's, so the row "
+                                          "is not of a Python profile: add its profile's test_cmd and log_parser")
+    out.update(image=image, bug_patch=bug, patch=gold, test_patch="", harness="swe-smith")
+    out.setdefault("log_parser", "swe_smith")
+    return out
+
+
+def _r2e_gym(row: dict) -> dict:
+    from envs.harnesses import r2e_gold_patch
+    from envs.log_parsers import parse_r2e_gym
+
+    name = str(row.get("repo_name") or "")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise DatasetRowError("repo_name", "repo_name: missing or not a repository name")
+    if not row.get("docker_image"):
+        raise DatasetRowError("docker_image", "docker_image: missing; an R2E-Gym row runs in its image")
+    commit = _json_field(row, "parsed_commit_content", dict)
+    expected = _json_field(row, "expected_output_json", dict)
+    if not expected:
+        raise DatasetRowError("expected_output_json", "expected_output_json: empty; the reward needs the tests' statuses")
+    f2p, p2p = [], []
+    if row.get("execution_result_content"):
+        run = _json_field(row, "execution_result_content", dict)
+        old, new = (parse_r2e_gym(run.get(k) or "") for k in ("old_commit_res_stdout", "new_commit_res_stdout"))
+        f2p = sorted(k for k, v in new.items() if v == "PASSED" and old.get(k) != "PASSED")
+        p2p = sorted(k for k, v in new.items() if v == "PASSED" and old.get(k) == "PASSED")
+    if not f2p:  # no run recorded: the tests the reward needs passing
+        f2p = sorted(k for k, v in expected.items() if v == "PASSED" and k not in p2p)
+    statement = str(row.get("problem_statement") or "")
+    if issue := re.search(r"\[ISSUE\](.*)\[/ISSUE\]", statement, re.DOTALL):  # get_task_instruction
+        statement = issue.group(1)
+    known = ("repo_name", "docker_image", "commit_hash", "parsed_commit_content", "execution_result_content",
+             "expected_output_json", "problem_statement")
+    out = {k: v for k, v in row.items() if k not in known}
+    new_commit = str(row.get("commit_hash") or commit.get("new_commit_hash") or "")
+    out.update(instance_id=f"{name}__{new_commit}", repo=f"r2e-gym/{name}", base_commit=commit.get("old_commit_hash"),
+               problem_statement=statement, patch=r2e_gold_patch(commit), test_patch="", FAIL_TO_PASS=f2p,
+               PASS_TO_PASS=p2p, image=row["docker_image"], harness="r2e-gym", log_parser="r2e_gym",
+               expected_output=expected, r2e_gym={"commit_hash": new_commit})
     return out
 
 

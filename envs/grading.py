@@ -9,6 +9,7 @@ import posixpath
 import re
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -113,24 +114,22 @@ def resolution(f2p: dict[str, list[str]], p2p: dict[str, list[str]]) -> Resoluti
 
 def report_from_log(log: str, parser: str, f2p: list[str], p2p: list[str],
                     exit_code: int | None = None) -> GradingReport:  # fmt: skip
-    """The verdict on a test log. With `exit_code` given, a FULL verdict also needs it to be 0,
-    and a log that reports one test both passing and failing is no pass (printed lines)."""
+    """The verdict on a test log. A log that reports one test both passing and failing is no
+    pass (printed lines); with `exit_code` given, a FULL verdict also needs it to be 0."""
     status_map = PARSERS[parser](log)
     f2p_report, p2p_report = tests_report(status_map, f2p, p2p)
     report = GradingReport(resolution=resolution(f2p_report, p2p_report), fail_to_pass=f2p_report,
                            pass_to_pass=p2p_report, tests=status_map, log_tail=log[-4000:], test_exit_code=exit_code)
-    if exit_code is None:
-        return report
     if parser in PYTEST_PARSERS and (forged := conflicting_results(_all_statuses(log, parser))):
         report.guards.append(asdict(Guard("conflicting_results", ", ".join(forged[:20]))))
-    if exit_code != 0 and report.resolution == "FULL":
+    if exit_code is not None and exit_code != 0 and report.resolution == "FULL":
         report.guards.append(asdict(Guard("test_exit_code", f"every named test passed but the tests exited {exit_code}")))
     if report.guards:
         report.resolution = "NO"
     return report
 
 
-PYTEST_PARSERS = ("pytest", "pytest_v2", "pytest_options")
+PYTEST_PARSERS = ("pytest", "pytest_v2", "pytest_options", "swe_smith")
 
 
 def _all_statuses(log: str, parser: str) -> dict[str, set[str]]:
@@ -207,15 +206,17 @@ async def _reset(sandbox, base_commit: str, paths) -> None:
 
 
 async def run_tests(sandbox, *, base_commit: str, test_patch: str, test_cmd: str, parser: str,
-                    f2p: list[str], p2p: list[str], timeout_s: float,
-                    exit_code_counts: bool = True) -> GradingReport:  # fmt: skip
-    """After the agent's diff is in place: reset the test files, apply test_patch, run, parse."""
+                    f2p: list[str], p2p: list[str], timeout_s: float, exit_code_counts: bool = True,
+                    log_of: Callable[[str], str] | None = None) -> GradingReport:  # fmt: skip
+    """After the agent's diff is in place: reset the test files, apply test_patch, run, parse
+    (the part of the output `log_of` gives, or all of it)."""
     await _reset(sandbox, base_commit, patch_files(test_patch))
     await apply_patch(sandbox, test_patch, "test")
     started = time.monotonic()
     result = await sandbox.execute(test_cmd, timeout_s=timeout_s)
     if result.timed_out:
         raise RewardError(f"tests did not finish within {timeout_s} s", kind="test_timeout", log=result.output)
-    report = report_from_log(result.output, parser, f2p, p2p, result.exit_code if exit_code_counts else None)
+    log = log_of(result.output) if log_of else result.output
+    report = report_from_log(log, parser, f2p, p2p, result.exit_code if exit_code_counts else None)
     report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
     return report

@@ -149,8 +149,36 @@ def parse_matplotlib(log: str) -> dict[str, str]:
     return parse_pytest(log.replace("MouseButton.LEFT", "1").replace("MouseButton.RIGHT", "3"))
 
 
+def parse_swe_smith(log: str) -> dict[str, str]:
+    """SWE-smith's Python profile parser (swesmith 0.0.9 `profiles/python.py`,
+    PythonProfile.log_parser, MIT licensed): pytest --verbose lines `ID STATUS ...`."""
+    status_map = {}
+    for line in log.split("\n"):
+        for status in ("FAILED", "PASSED", "SKIPPED", "ERROR", "XFAIL"):  # its TestStatus order
+            if m := re.match(rf"^(\S+)(\s+){status}", line):
+                status_map[m.group(1)] = status
+    return status_map
+
+
+def parse_r2e_gym(log: str) -> dict[str, str]:
+    """R2E-Gym's parser (`repo_analysis/execution_log_parser.py` parse_log_pytest, the one
+    parse_log_fn gives every repository; Apache-2.0): the statuses of pytest's short test
+    summary, each test named by its id after the file (`Class.test`)."""
+    status_map: dict[str, str] = {}
+    if "short test summary info" not in log:
+        return status_map
+    for line in log.split("short test summary info")[1].strip().split("\n"):
+        if "PASSED" in line:
+            status_map[".".join(line.split("::")[1:])] = "PASSED"
+        elif "FAILED" in line:
+            status_map[".".join(line.split("::")[1:]).split(" - ")[0]] = "FAILED"
+        elif "ERROR" in line:
+            status_map[".".join(line.split("::")[1:]).split(" - ")[0]] = "ERROR"
+    return status_map
+
+
 PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
     "pytest": parse_pytest, "pytest_options": parse_pytest_options, "pytest_v2": parse_pytest_v2,
     "django": parse_django, "sympy": parse_sympy, "seaborn": parse_seaborn,
-    "matplotlib": parse_matplotlib,
+    "matplotlib": parse_matplotlib, "swe_smith": parse_swe_smith, "r2e_gym": parse_r2e_gym,
 }  # fmt: skip

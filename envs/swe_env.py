@@ -16,12 +16,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.grading import GradingReport, RewardError, apply_patch, guard_changes, patch_files, run_tests
-from envs.integrity import IntegrityMode, file_of_test
+from envs.harnesses import R2E_HIDDEN, drop_hidden, r2e_grade, remove_paths, swe_smith_log, swe_smith_start, swe_smith_test_cmd
+from envs.integrity import Guard, IntegrityMode, file_of_test
 from envs.task import Task
 from envs.tools import TOOLS, Editor, ToolCall, parse_tool_call, truncate_middle
 from sandboxes.base import SandboxError, SandboxLimits, open_sandbox
 from sandboxes.config import BwrapSandboxConfig, DockerSandboxConfig
-from sandboxes.task_images import BASE_TAG, ImageSpec, cut_history, prepare_bwrap, prepare_docker
+from sandboxes.task_images import BASE_TAG, ImageSpec, cut_history, exclude_untracked, prepare_bwrap, prepare_docker
 
 EXAMPLE_BUNDLES = Path(__file__).resolve().parent / "example_suite" / "bundles"
 SYSTEM_PROMPT = (
@@ -62,13 +63,18 @@ def resolve_source(task: Task, cfg: SWEEnvConfig) -> str:
 
 
 async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = None,
-                         limits: SandboxLimits | None = None):  # fmt: skip
+                         limits: SandboxLimits | None = None, grading: bool = False):  # fmt: skip
     """The sandbox config for a task: its task image built (once) and ready to copy."""
     limits = limits or cfg.limits
     if missing := task.spec_missing():
         raise SandboxError(missing)
     if task.image and cfg.backend == "docker":
-        return DockerSandboxConfig(image=task.image, limits=limits, episode=episode, workdir=task.repo_dir())
+        return DockerSandboxConfig(image=task.image, limits=limits, episode=episode, workdir=task.repo_dir(),
+                                   remove_paths=remove_paths(task, grading))
+    if task.harness:
+        raise SandboxError(f"{task.instance_id}: a {task.harness} row runs in its `image`, which holds its hidden "
+                           "tests" + (", and only the docker backend runs it: use --backend docker" if task.image
+                                      else "; it has none: add the row's image"))
     if task.eval_script:
         raise SandboxError(f"{task.instance_id}: a SWE-bench 5 row (`eval_script`) runs in its `image`"
                            + (", which only the docker backend runs: use --backend docker" if task.image
@@ -88,12 +94,26 @@ async def task_sandbox(task: Task, cfg: SWEEnvConfig, episode: str | None = None
                        limits: SandboxLimits | None = None) -> AsyncIterator:  # fmt: skip
     """A sandbox with the task's repository at base_commit, tagged BASE_TAG, with no history
     after it (or none at all: Task.history) and nothing of the answers in it."""
-    config = await sandbox_config(task, cfg, episode, limits)
+    async with _task_sandbox(task, cfg, episode, limits, grading=False) as (sandbox, _):
+        yield sandbox
+
+
+@asynccontextmanager
+async def _task_sandbox(task: Task, cfg: SWEEnvConfig, episode: str | None, limits: SandboxLimits | None,
+                        grading: bool) -> AsyncIterator[tuple[object, str]]:  # fmt: skip
+    """task_sandbox, and for grading the hidden tests a harness's image holds as a patch over
+    the starting state ("" when they are in test_patch or in place)."""
+    config = await sandbox_config(task, cfg, episode, limits, grading)
     async with open_sandbox(config) as sandbox:
+        hidden = ""
         if config.type == "docker" and config.image == task.image:
             # a prebuilt image is used as it ships: its history is cut in every sandbox
-            await cut_history(sandbox, task.base_commit, task.history_mode(), cfg.build_timeout_s)
-        yield sandbox
+            start = task.base_commit
+            if task.harness == "swe-smith":
+                start, hidden = await swe_smith_start(sandbox, task, grading, cfg.build_timeout_s)
+            await cut_history(sandbox, start, task.history_mode(), cfg.build_timeout_s)
+            await exclude_untracked(sandbox, cfg.build_timeout_s)
+        yield sandbox, hidden
 
 
 @dataclass
@@ -163,15 +183,20 @@ async def grade(task: Task, diff: str, cfg: SWEEnvConfig) -> GradingReport:
     """Apply the diff and the hidden tests in a fresh copy and grade. Raises RewardError."""
     try:
         limits = cfg.limits.model_copy(update={"output_limit_bytes": GRADING_OUTPUT_BYTES})
-        async with task_sandbox(task, cfg, f"grade:{task.instance_id}", limits) as sandbox:
+        async with _task_sandbox(task, cfg, f"grade:{task.instance_id}", limits, grading=True) as (sandbox, hidden):
+            dropped: list[str] = []
+            if task.harness == "r2e-gym":  # its hidden tests are linked in: the agent may not write there
+                diff, dropped = drop_hidden(diff, R2E_HIDDEN)
             if task.eval_script:
                 from envs.swebench5 import apply_model_patch
 
                 await apply_model_patch(sandbox, diff)
             else:
                 await apply_patch(sandbox, diff, "agent")
-            graded = {file_of_test(t) for t in task.FAIL_TO_PASS + task.PASS_TO_PASS} | set(patch_files(task.test_patch))
-            guards = [asdict(g) for g in await guard_changes(
+            test_patch = hidden or task.test_patch
+            graded = {file_of_test(t) for t in task.FAIL_TO_PASS + task.PASS_TO_PASS} | set(patch_files(test_patch))
+            guards = [asdict(Guard("rejected" if cfg.integrity == "reject" else "reverted", path)) for path in dropped]
+            guards += [asdict(g) for g in await guard_changes(
                 sandbox, diff=diff, base_commit=BASE_TAG, graded=graded, mode=cfg.integrity, allow=task.integrity_allow)]
             if any(g["guard"] == "rejected" for g in guards):
                 return GradingReport(resolution="NO", fail_to_pass={"success": [], "failure": list(task.FAIL_TO_PASS)},
@@ -182,10 +207,18 @@ async def grade(task: Task, diff: str, cfg: SWEEnvConfig) -> GradingReport:
                 report = await run_eval_script(sandbox, task, cfg.test_timeout_s)
                 report.guards = guards + report.guards
                 return report
-            report = await run_tests(sandbox, base_commit=BASE_TAG, test_patch=task.test_patch,
-                                     test_cmd=task.test_cmd or DEFAULT_TEST_CMD, parser=task.log_parser,
-                                     f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS,
-                                     timeout_s=cfg.test_timeout_s, exit_code_counts=task.exit_code_counts)
+            if task.harness == "r2e-gym":
+                report = await r2e_grade(sandbox, task, cfg.test_timeout_s)
+            elif task.harness == "swe-smith":
+                report = await run_tests(sandbox, base_commit=BASE_TAG, test_patch=test_patch,
+                                         test_cmd=swe_smith_test_cmd(task), parser="swe_smith",
+                                         f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS, timeout_s=cfg.test_timeout_s,
+                                         exit_code_counts=False, log_of=swe_smith_log)
+            else:
+                report = await run_tests(sandbox, base_commit=BASE_TAG, test_patch=task.test_patch,
+                                         test_cmd=task.test_cmd or DEFAULT_TEST_CMD, parser=task.log_parser,
+                                         f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS,
+                                         timeout_s=cfg.test_timeout_s, exit_code_counts=task.exit_code_counts)
             report.guards = guards + report.guards
             return report
     except SandboxError as e:

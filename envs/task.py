@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 LOG_PARSERS = (
-    "pytest", "pytest_v2", "pytest_options", "django", "sympy", "seaborn", "matplotlib",
+    "pytest", "pytest_v2", "pytest_options", "django", "sympy", "seaborn", "matplotlib", "swe_smith", "r2e_gym",
 )  # fmt: skip
 """Log parsers a task may name (SWE-bench's names, without the `parse_log_` prefix)."""
 
@@ -88,11 +88,22 @@ class Task(BaseModel):
     integrity_allow: list[str] = []
     """Test files and test configuration the fix may change (glob patterns, e.g. "conftest.py"):
     grading reverts the agent's changes to any other such file (envs/integrity.py)."""
+    harness: Literal["swe-smith", "r2e-gym"] | None = None
+    """A dataset whose `image` holds the hidden tests (envs/harnesses.py): the agent's starting
+    state is made from the image as that dataset's harness makes it, the hidden tests out of its
+    reach, and grading restores them and judges by that harness's rule. Docker backend only."""
+    bug_patch: str | None = None
+    """SWE-smith: the diff that makes the bug (the dataset's own `patch`), applied to the image's
+    checkout when its repository lacks the instance's branch."""
+    expected_output: dict[str, str] | None = None
+    """R2E-Gym: the test statuses the reward needs, exactly (`expected_output_json`)."""
     exit_code_counts: bool = True
     """The test command must exit 0 for a FULL resolution (SWE-bench 5's rule: printed PASSED
     lines cannot fake a result). False only where the gold fix's own run exits non-zero."""
 
     def history_mode(self) -> Literal["ancestors", "none"]:
+        if self.harness == "swe-smith":
+            return "none"  # the branch's parents are the clean code: its history is the answer
         if self.history is not None:
             return self.history
         source = self.source or ""
@@ -167,7 +178,7 @@ class Task(BaseModel):
 
     def repo_dir(self) -> str:
         """Where the agent works and grading runs: the repository's folder in its sandbox."""
-        return self.workdir or ("/testbed" if self.eval_script else "/work")
+        return self.workdir or ("/testbed" if self.eval_script or self.harness else "/work")
 
     def unknown_fields(self) -> dict[str, Any]:
         """Fields swerve does not know, kept verbatim."""
@@ -190,5 +201,5 @@ class Task(BaseModel):
     def grading_options(self) -> dict[str, Any]:
         """swerve's fields without a column of their own, as given (stored beside the unknown ones)."""
         return self.model_dump(include={"history", "integrity_allow", "exit_code_counts", "python", "eval_script",
-                                        "eval_type", "workdir"},
+                                        "eval_type", "workdir", "harness", "bug_patch", "expected_output"},
                                exclude_unset=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sandboxes.base import Sandbox, SandboxLimits
 
@@ -42,6 +42,16 @@ class DockerSandboxConfig(BaseModel):
     workdir: str = "/work"
     limits: SandboxLimits = SandboxLimits()
     episode: str | None = None
+    remove_paths: tuple[Annotated[str, Field(pattern=r"^/[A-Za-z0-9._-][A-Za-z0-9._/-]*$")], ...] = ()
+    """Paths of the image removed, as root, before the sandbox's first command: what a prebuilt
+    image ships that the agent must not reach (R2E-Gym's hidden tests, /r2e_tests)."""
+
+    @field_validator("remove_paths")
+    @classmethod
+    def _no_parent(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(".." in p.split("/") for p in v):
+            raise ValueError("remove_paths may not climb with '..'")
+        return v
 
     async def build(self) -> Sandbox:
         from sandboxes.docker import DockerSandbox

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import socket
 import time
@@ -140,7 +141,8 @@ class DockerSandbox(ShellSandbox):
     async def _prepare(self) -> None:
         """Make the workdir (owned by the sandbox user) and note the keeper's pid."""
         # a prebuilt image's repository (SWE-bench's /testbed) belongs to root: hand it over whole
-        script = (f"mkdir -p {self.workdir} && {{ [ \"$(stat -c %u {self.workdir})\" = 1000 ] || "
+        removed = "".join(f"rm -rf -- {shlex.quote(p)} && " for p in self.config.remove_paths)
+        script = (f"{removed}mkdir -p {self.workdir} && {{ [ \"$(stat -c %u {self.workdir})\" = 1000 ] || "
                   f"chown -R 1000:1000 {self.workdir}; }} && "
                   "for d in /proc/[0-9]*; do p=${d#/proc/}; "
                   "[ \"$(cut -d' ' -f4 $d/stat 2>/dev/null)\" = 1 ] && echo $p; done; true")

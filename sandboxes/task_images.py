@@ -97,6 +97,26 @@ with open(".git/info/exclude", "a", encoding="utf-8", errors="surrogateescape") 
 """
 
 
+# A prebuilt image's repository as it ships: whatever is untracked there (SWE-bench's egg-info,
+# R2E-Gym's /testbed/.venv) is the environment, told to git as INSTALLED_SCRIPT tells it of
+# what install made. Shell and git only: a prebuilt image need not have python3 on PATH.
+UNTRACKED_SCRIPT = r"""
+set -e
+mkdir -p .git/info
+git ls-files -z --others --exclude-standard --directory | while IFS= read -r -d '' n; do
+  case "$n" in *$'\n'*) continue ;; esac
+  printf '/%s\n' "$n" | sed 's/[*?[\!# ]/\\&/g'
+done >> .git/info/exclude
+"""
+
+
+async def exclude_untracked(sandbox, timeout_s: float = 600.0) -> None:
+    """Run UNTRACKED_SCRIPT in the sandbox's repository. Raises ImageBuildError."""
+    result = await sandbox.execute(f"bash -c {shlex.quote(UNTRACKED_SCRIPT)}", timeout_s=timeout_s)
+    if result.exit_code != 0:
+        raise ImageBuildError("listing what the image left untracked", result.output)
+
+
 LAYOUT = 2  # bump when what a build makes changes: old caches are then rebuilt, never reused
 BASE_TAG = "swerve-base"
 # The repository at the starting commit with nothing after it: every ref but ancestor tags

@@ -1,7 +1,7 @@
 """Rows of the public datasets as they ship (envs/datasets.py): each format is told from its
 fields, imported (JSON Lines, JSON, Parquet; CLI and API) and run. A SWE-rebench V2 row runs in
 its image, built here under its name with the repository at /<repo name>: gold FULL, empty NO,
-by the row's own test command and parser. Formats not built yet are refused by name."""
+by the row's own test command and parser. SWE-smith and R2E-Gym rows run in tests/test_harnesses.py."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from tests.test_cli import run_cli
 SWE_BENCH = {"instance_id": "django__django-11099", "repo": "django/django", "base_commit": "a" * 40,
              "patch": "p", "test_patch": "t", "problem_statement": "x", "hints_text": "", "created_at": "2019-03-20",
              "version": "3.0", "FAIL_TO_PASS": '["a"]', "PASS_TO_PASS": "[]", "environment_setup_commit": "b" * 40}
-SWE_SMITH = {"instance_id": "oauthlib__oauthlib.1fd52536.combine_file__09vlzwgc", "patch": "p",
-             "FAIL_TO_PASS": ["a"], "PASS_TO_PASS": [], "image_name": "jyangballin/swesmith.x86_64.oauthlib_1776_oauthlib.1fd52536",
+SWE_SMITH = {"instance_id": "oauthlib__oauthlib.1fd52536.combine_file__09vlzwgc",
+             "patch": "diff --git a/a.py b/a.py\n--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n",
+             "FAIL_TO_PASS": ["tests/test_a.py::test_a"], "PASS_TO_PASS": [], "image_name": "jyangballin/swesmith.x86_64.oauthlib_1776_oauthlib.1fd52536",
              "repo": "swesmith/oauthlib__oauthlib.1fd52536", "problem_statement": "x"}
 R2E = {"repo_name": "aiohttp", "docker_image": "namanjain12/aiohttp_final:f0d74880", "commit_hash": "f0d74880",
        "problem_statement": "x", "expected_output_json": "{}"}
@@ -44,9 +45,11 @@ def test_each_format_is_told_from_its_fields():
     assert datasets.detect(rebench(SWE_BENCH | {"test_cmd": "pytest", "log_parser": "pytest"}, "img")) == "swe-rebench"
     gym = Task.model_validate(datasets.adapt(SWE_BENCH | {"instance_id": "getmoto__moto-7365"}, "swe-gym"))
     assert gym.image == "xingyaoww/sweb.eval.x86_64.getmoto_s_moto-7365" and gym.repo_dir() == "/testbed"
-    for row, name in ((SWE_SMITH, "SWE-smith"), (R2E, "R2E-Gym")):
-        with pytest.raises(datasets.DatasetRowError, match=f"{name} rows .* not supported yet"):
-            datasets.adapt(row)
+    smith = Task.model_validate(datasets.adapt(SWE_SMITH))
+    assert (smith.harness, smith.image, smith.base_commit, smith.bug_patch, smith.test_patch) == (
+        "swe-smith", SWE_SMITH["image_name"], "1fd52536", SWE_SMITH["patch"], "")
+    assert smith.patch == datasets.adapt(SWE_SMITH | {"patch": smith.patch})["bug_patch"] != smith.bug_patch
+    assert datasets.adapt(SWE_SMITH | {"image_name": None})["image"] == SWE_SMITH["image_name"]  # the profile's name
     with pytest.raises(datasets.DatasetRowError, match="install_config.test_cmd: missing") as info:
         datasets.adapt(SWE_BENCH | {"install_config": {"log_parser": "parse_log_pytest"}})
     assert info.value.field == "install_config.test_cmd"
@@ -95,9 +98,9 @@ def test_import_and_validate_take_the_files_as_they_ship(rebench_v2, tmp_path, d
     done = run_cli(["suite", "import", str(parquet), "--format", "swe-rebench"], env)
     assert done.returncode == 0 and json.loads(done.stdout)["task_count"] == 1, done.stderr
     bad = tmp_path / "smith.jsonl"
-    bad.write_text(json.dumps(SWE_SMITH) + "\n")
+    bad.write_text(json.dumps(SWE_SMITH | {"patch": ""}) + "\n")
     done = run_cli(["suite", "import", str(bad)], env)
-    assert done.returncode == 1 and "SWE-smith rows" in done.stderr, done.stderr
+    assert done.returncode == 1 and "patch: missing" in done.stderr and "line 1" in done.stderr, done.stderr
 
 
 async def test_the_api_imports_with_a_format(app_client):

@@ -1,0 +1,288 @@
+"""Datasets whose image holds the hidden tests (Task.harness), run as their own harnesses run
+them, with what no sandbox of the agent's may hold kept out of it.
+
+- **swe-smith** (swesmith 0.0.9, `harness/gather.py`, `harness/utils.py::run_patch_in_container`,
+  `profiles/python.py`): the image's /testbed holds the mirror's clean code. The instance's branch
+  is that code with the bug committed ("Bug Patch") and then the FAIL_TO_PASS test files deleted
+  ("Remove F2P Tests"); the agent starts at its tip, grading restores those files (HEAD~1) over
+  the agent's patch and runs the profile's test command, judged by the profile's parser: every
+  F2P and P2P test passed. Where the image's repository lacks the branch (SWE-smith fetches it
+  from GitHub, which no sandbox here reaches), the branch is made the way gather.py makes it:
+  the row's bug patch applied with SWE-smith's GIT_APPLY_CMDS, then the F2P files removed.
+  The history the agent sees is one commit (Task.history_mode): the branch's parents are the fix.
+- **r2e-gym** (R2E-Gym `agenthub/runtime/docker.py`): the image holds /testbed (the upstream clone,
+  its later commits included, and `.venv`), `run_tests.sh` in it and the hidden tests at
+  /r2e_tests. The agent's container has neither (removed as root before its first command; the
+  history is cut after the base commit); grading links /testbed/r2e_tests to them as setup_env
+  does, runs `bash run_tests.sh` and rewards 1 only when the parsed statuses equal
+  `expected_output_json` exactly (`_calculate_reward_r2e`).
+
+The swesmith package itself cannot be used: 0.0.9 imports `DOCKER_USER` from swebench's
+constants, which swebench 5 no longer has, so its profiles fail to import beside the swebench
+that grades SWE-bench 5 rows. Its Python profile's command, parser and test-file rule are
+followed here instead, and a row names its own `test_cmd` for a profile that differs.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+
+from dataclasses import asdict
+
+from envs.grading import GradingReport, RewardError, patch_files, report_from_log
+from envs.integrity import Guard
+from envs.task import Task
+
+# swesmith 0.0.9: PythonProfile.test_cmd (ENV_NAME "testbed") and constants.GIT_APPLY_CMDS.
+SWE_SMITH_TEST_CMD = ("source /opt/miniconda3/bin/activate; conda activate testbed; "
+                      "pytest --disable-warnings --color=no --tb=no --verbose")
+SWE_SMITH_APPLY = ("git apply --verbose", "git apply --verbose --reject", "patch --batch --fuzz=5 -p1 -i")
+SWE_SMITH_OUTPUT = (">>>>> Start Test Output", ">>>>> End Test Output")
+BUG_FILE = "/tmp/.swerve-bug.patch"
+
+R2E_TESTS = "/r2e_tests"
+R2E_HIDDEN = ("run_tests.sh", "r2e_tests")
+"""What R2E-Gym moves out of the agent's reach (agenthub SKIP_FILES_NEW), relative to /testbed."""
+SUMMARY = "short test summary info"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m|\r")
+_COLOR = re.compile(r"\u001b\[\d+m")
+
+
+def swe_smith_test_files(tests: list[str]) -> list[str]:
+    """PythonProfile.get_test_files: the files of the test ids."""
+    return sorted({t.split("::", 1)[0] for t in tests})
+
+
+def remove_paths(task: Task, grading: bool) -> tuple[str, ...]:
+    """Paths of the image removed as root before the agent's first command."""
+    if task.harness == "r2e-gym" and not grading:
+        return (R2E_TESTS,) + tuple(f"{task.repo_dir()}/{p}" for p in R2E_HIDDEN)
+    return ()
+
+
+_SMITH_START = r"""
+set -e
+export GIT_AUTHOR_NAME=swesmith GIT_AUTHOR_EMAIL=swesmith@swesmith.ai GIT_AUTHOR_DATE=2000-01-01T00:00:00Z
+export GIT_COMMITTER_NAME=swesmith GIT_COMMITTER_EMAIL=swesmith@swesmith.ai GIT_COMMITTER_DATE=2000-01-01T00:00:00Z
+tip=""
+for ref in "refs/heads/$ID" "refs/remotes/origin/$ID"; do
+  if git rev-parse -q --verify "$ref^{commit}" >/dev/null; then tip=$(git rev-parse "$ref^{commit}"); break; fi
+done
+if [ -n "$tip" ]; then
+  git -c advice.detachedHead=false checkout -q -f "$tip"
+  if [ "$(git log -1 --format=%s)" = "Remove F2P Tests" ]; then bug=$(git rev-parse HEAD~1); else bug=$tip; fi
+  rm -f "$BUG"
+else
+  [ -s "$BUG" ] || { echo "the image's repository has no branch $ID and the row no bug patch"; exit 3; }
+  git checkout -q -f HEAD && git clean -fdq
+  applied=""
+  while IFS= read -r cmd; do
+    if $cmd "$BUG" >/dev/null 2>&1; then applied=1; break; fi
+    git reset -q --hard && git clean -fdq
+  done <<EOF
+$APPLY
+EOF
+  rm -f "$BUG"
+  [ -n "$applied" ] || { echo "the bug patch does not apply to the image's repository"; exit 4; }
+  find . -name '*.orig' -newer .git/HEAD -not -path './.git/*' -delete
+  git add -A && git commit -q --no-gpg-sign -m 'Bug Patch'
+  bug=$(git rev-parse HEAD)
+  for f in $FILES; do rm -f -- "$f"; done
+  git add -A
+  git diff --cached --quiet || git commit -q --no-gpg-sign -m 'Remove F2P Tests'
+  tip=$(git rev-parse HEAD)
+fi
+echo "$tip $bug"
+"""
+
+
+async def swe_smith_start(sandbox, task: Task, grading: bool, timeout_s: float) -> tuple[str, str]:
+    """The instance's branch in the sandbox's repository (found, or made as gather.py makes it):
+    its tip, where the agent starts, and, for grading, the patch that restores the F2P test
+    files (the tip to its parent). Raises RewardError (grading) or SandboxError."""
+    from sandboxes.base import SandboxError
+
+    if task.bug_patch:
+        await sandbox.write_file(BUG_FILE, task.bug_patch if task.bug_patch.endswith("\n") else task.bug_patch + "\n")
+    files = " ".join(shlex.quote(f) for f in swe_smith_test_files(task.FAIL_TO_PASS))
+    env = (f"ID={shlex.quote(task.instance_id)} BUG={BUG_FILE} FILES={shlex.quote(files)} "
+           f"APPLY={shlex.quote(chr(10).join(SWE_SMITH_APPLY))}")
+    result = await sandbox.execute(f"{env} bash -c {shlex.quote(_SMITH_START)}", timeout_s=timeout_s)
+    if result.exit_code != 0 or len(result.output.split()) < 2:
+        raise SandboxError(f"{task.instance_id}: cannot make the SWE-smith starting state: {result.output[-1500:]}")
+    tip, bug = result.output.split()[-2:]
+    if not grading:
+        return tip, ""
+    r = await sandbox.execute(f"git diff --binary {tip} {bug}", timeout_s=timeout_s)
+    if r.exit_code != 0:
+        raise RewardError(f"cannot take the F2P test files of {task.instance_id}: {r.output[-1500:]}", log=r.output)
+    return tip, r.output
+
+
+def swe_smith_test_cmd(task: Task) -> str:
+    """run_patch_in_container's eval.sh: the profile's command between SWE-smith's markers."""
+    start, end = SWE_SMITH_OUTPUT
+    script = (f"set -uxo pipefail\ncd {task.repo_dir()}\n: '{start}'\n{task.test_cmd or SWE_SMITH_TEST_CMD}\n"
+              f": '{end}'\n")
+    return f"bash -c {shlex.quote(script)} 2>&1"
+
+
+def swe_smith_log(output: str) -> str:
+    """grading.read_test_output: the log between the markers (all of it when they are absent)."""
+    start, end = (f"+ : '{m}'" for m in SWE_SMITH_OUTPUT)
+    i, j = output.find(start), output.find(end)
+    return output[i + len(start):j] if 0 <= i < j else output
+
+
+def drop_hidden(diff: str, hidden: tuple[str, ...]) -> tuple[str, list[str]]:
+    """`diff` without its files at or under `hidden` (paths in the repository), and those files."""
+    kept, dropped = [], []
+    for part in re.split(r"(?m)^(?=diff --git )", diff):
+        files = patch_files(part)
+        if files and any(f == h or f.startswith(h + "/") for f in files for h in hidden):
+            dropped.extend(files)
+        else:
+            kept.append(part)
+    return "".join(kept), sorted(set(dropped))
+
+
+def r2e_compare(parsed: dict[str, str], expected: dict[str, str]) -> bool:
+    """_calculate_reward_r2e's rule: the same tests (keys decolored and cut at ' - '), each with
+    the same status."""
+    def norm(statuses: dict[str, str]) -> dict[str, str]:
+        plain = {_COLOR.sub("", k): v for k, v in statuses.items()}
+        return {k.split(" - ")[0]: plain[k] for k in sorted(plain)}
+
+    got, want = norm(parsed), norm(expected)
+    return len(got) == len(want) and all(want.get(k) == v for k, v in got.items())
+
+
+async def r2e_grade(sandbox, task: Task, timeout_s: float) -> GradingReport:
+    """The hidden tests linked in as setup_env links them, run_tests.sh run, the statuses
+    compared with expected_output exactly."""
+    repo = task.repo_dir()
+    link = await sandbox.execute(f"[ -e r2e_tests ] || ln -s {R2E_TESTS} r2e_tests", timeout_s=60)
+    if link.exit_code != 0:
+        raise RewardError(f"cannot link the hidden tests into {repo}: {link.output[-500:]}", log=link.output)
+    started = time.monotonic()
+    result = await sandbox.execute("bash run_tests.sh 2>&1", timeout_s=timeout_s)
+    if result.timed_out:
+        raise RewardError(f"tests did not finish within {timeout_s} s", kind="test_timeout", log=result.output)
+    log = _ANSI.sub("", result.output)
+    report = report_from_log(log, "r2e_gym", task.FAIL_TO_PASS, task.PASS_TO_PASS)
+    match = r2e_compare(report.tests, task.expected_output or {})
+    report.resolution = "FULL" if match and task.expected_output else "NO"
+    if (summaries := log.count(SUMMARY)) > 1:  # the parser reads the first: a printed one would win
+        report.guards.append(asdict(Guard("conflicting_results", f"{summaries} test summaries in one log")))
+        report.resolution = "NO"
+    report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
+    return report
+
+
+def swe_smith_report(log: str, task: Task, exit_code: int | None) -> GradingReport:
+    """get_eval_report's verdict: every F2P and P2P test PASSED or XFAIL. The exit code does not
+    count (a whole-suite run exits non-zero for tests outside both lists), but a log that
+    reports one test both passing and failing is still no pass."""
+    report = report_from_log(swe_smith_log(log), "swe_smith", task.FAIL_TO_PASS, task.PASS_TO_PASS, None)
+    report.test_exit_code = exit_code
+    return report
+
+
+
+_HUNK = re.compile(r"^@@ -(\d+(?:,\d+)?) \+(\d+(?:,\d+)?) @@(.*)$")
+_SWAPPED = (("--- ", "+++ "), ("new file mode ", "deleted file mode "), ("rename from ", "rename to "),
+            ("copy from ", "copy to "), ("old mode ", "new mode "))
+
+
+def reverse_patch(diff: str) -> str:
+    """The inverse of a text git diff (what `git apply --reverse` applies): SWE-smith's gold fix
+    from its bug patch. Raises ValueError on a binary patch."""
+    out: list[str] = []
+    lines = diff.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("GIT binary patch") or line.startswith("Binary files "):
+            raise ValueError("a binary patch cannot be reversed as text")
+        if line.startswith("diff --git "):
+            m = re.match(r"^diff --git a/(\S+) b/(\S+)(\r?\n?)$", line)
+            out.append(f"diff --git a/{m.group(2)} b/{m.group(1)}{m.group(3)}" if m else line)
+        elif line.startswith("index ") and ".." in line:
+            head, _, rest = line[6:].partition(" ")
+            old, new = head.rstrip("\n").split("..", 1)
+            out.append(f"index {new}..{old}" + (f" {rest}" if rest else "\n"))
+        elif any(line.startswith(a) or line.startswith(b) for a, b in _SWAPPED):
+            # a pair swaps whole: `--- a` with `+++ b`, `old mode` with `new mode`
+            pair = next((a, b) for a, b in _SWAPPED if line.startswith(a) or line.startswith(b))
+            if line.startswith(pair[0]) and i + 1 < len(lines) and lines[i + 1].startswith(pair[1]):
+                first, second = lines[i][len(pair[0]):], lines[i + 1][len(pair[1]):]
+                if pair[0] == "--- ":
+                    first, second = _swap_prefix(first, "a/", "b/"), _swap_prefix(second, "b/", "a/")
+                out += [pair[0] + second, pair[1] + first]
+                i += 2
+                continue
+            a, b = pair
+            out.append(b + line[len(a):] if line.startswith(a) else a + line[len(b):])
+        elif m := _HUNK.match(line.rstrip("\r\n")):
+            out.append(f"@@ -{m.group(2)} +{m.group(1)} @@{m.group(3)}" + line[len(line.rstrip("\r\n")):])
+            old_left, new_left = (int(r.split(",")[1]) if "," in r else 1 for r in (m.group(1), m.group(2)))
+            i += 1
+            while i < len(lines) and (old_left > 0 or new_left > 0 or lines[i].startswith("\\")):
+                body = lines[i]
+                kind = body[:1]
+                if kind == "-":
+                    old_left -= 1
+                    body = "+" + body[1:]
+                elif kind == "+":
+                    new_left -= 1
+                    body = "-" + body[1:]
+                elif kind in (" ", "\n", "\r"):
+                    old_left, new_left = old_left - 1, new_left - 1
+                elif kind != "\\":
+                    raise ValueError(f"a hunk line starts with {kind!r}, not ' ', '+', '-' or '\\'")
+                out.append(body)
+                i += 1
+            continue
+        else:
+            out.append(line)
+        i += 1
+    return "".join(out)
+
+
+def _swap_prefix(path: str, old: str, new: str) -> str:
+    return new + path[len(old):] if path.startswith(old) else path
+
+
+def r2e_gold_patch(parsed_commit: dict) -> str:
+    """ParsedCommit.get_patch(test_file=False, non_test_file=True) of R2E-Gym
+    (`commit_models/diff_classes.py`): the commit's diff of its non-test files."""
+    patch = ""
+    for fd in parsed_commit.get("file_diffs", []):
+        path = fd["header"]["file"]["path"]
+        parts = path.split("/")
+        if (path.endswith("_test.py") or path.startswith("test_") or parts[-1].startswith("test_")
+                or {"tests", "Tests", "test", "Test"} & set(parts)):
+            continue  # FileDiff.is_test_file
+        patch += f"diff --git a/{path} b/{path}\n"
+        if fd["header"].get("misc_line"):
+            patch += fd["header"]["misc_line"] + "\n"
+        if index := fd.get("index_line"):
+            mode = index.get("mode") or ""
+            patch += f"index {index['old_commit_hash']}..{index['new_commit_hash']}{' ' if mode else ''}{mode}\n"
+        if fd.get("is_binary_file"):
+            patch += (fd.get("binary_line") or "") + "\n"
+        if fd.get("minus_file") and fd.get("plus_file"):
+            patch += f"--- {fd['minus_file']['path']}\n+++ {fd['plus_file']['path']}\n"
+        for hunk in fd.get("hunks", []):
+            d = hunk["descriptor"]
+
+            def rng(r: dict) -> str:
+                return f"{r['start']}" if r.get("length") is None else f"{r['start']},{r['length']}"
+
+            patch += f"@@ -{rng(d['old_range'])} +{rng(d['new_range'])} @@" + (f" {d['section']}" if d.get("section") else "") + "\n"
+            for line in hunk["line_group"]["all_lines"]:
+                prefix = {"context": " ", "added": "+", "deleted": "-", "note": "\\ "}[line["type"]]
+                patch += f"{prefix}{line['content']}\n"
+    return patch

@@ -1,0 +1,342 @@
+"""SWE-smith and R2E-Gym rows as they ship (envs/harnesses.py), in images built here under the
+datasets' names and layouts (no registry is reachable): a generated task's repository at /testbed,
+SWE-smith's conda stand-in or R2E-Gym's `.venv`, `run_tests.sh` and /r2e_tests. The agent starts
+where the dataset's harness starts it, with the hidden tests and the fix out of its reach; gold is
+FULL, empty NO, and the ways around the tests an agent could try are not a pass."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from envs import datasets
+from envs.grading import patch_files
+from envs.harnesses import drop_hidden, r2e_compare, reverse_patch
+from envs.log_parsers import parse_r2e_gym, parse_swe_smith
+from envs.swe_env import SWEEnvConfig, grade, task_sandbox
+from envs.task import Task
+from sandboxes.base import SandboxError
+from tests.dataset_images import generated_task, git, image_with, pytest_files, pytest_id
+from tests.sandbox_fixtures import require_docker
+
+CONDA_ACTIVATE = ('conda() { [ "$1" = activate ] && export PATH="/opt/miniconda3/envs/$2/bin:$PATH" '
+                  'PYTHONPATH="/opt/miniconda3/envs/$2/site"; }\n')
+
+
+# -- without a sandbox ------------------------------------------------------------------------
+
+def test_a_reversed_patch_undoes_the_patch(tmp_path):
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.py").write_text("one\n-- two\nthree\n")
+    (repo / "gone.py").write_text("x = 1\n")
+    (repo / "tail.txt").write_text("no newline")
+    (repo / "run.sh").write_text("echo\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "base")
+    (repo / "a.py").write_text("one\n--- two, changed\n+++ three\n")
+    (repo / "gone.py").unlink()
+    (repo / "new.py").write_text("y = 2\n")
+    (repo / "tail.txt").write_text("still none, changed")
+    (repo / "run.sh").chmod(0o755)
+    git(repo, "add", "-A")
+    forward = git(repo, "diff", "--cached")
+    git(repo, "commit", "-qm", "changed")
+    back = reverse_patch(forward)
+    git(repo, "apply", "--check", "-", input=back)
+    git(repo, "apply", "-", input=back)
+    git(repo, "add", "-A")
+    assert git(repo, "diff", "--cached", "HEAD~1") == ""
+    assert reverse_patch(back) == forward
+    with pytest.raises(ValueError, match="binary"):
+        reverse_patch("diff --git a/x b/x\nGIT binary patch\nliteral 0\n")
+
+
+def test_the_parsers_read_their_harnesses_logs():
+    verbose = ("tests/test_a.py::T::test_x PASSED                [ 50%]\n"
+               "tests/test_a.py::T::test_y FAILED                [100%]\n")
+    assert parse_swe_smith(verbose) == {"tests/test_a.py::T::test_x": "PASSED", "tests/test_a.py::T::test_y": "FAILED"}
+    summary = ("PASSED r2e_tests/test_1.py::not_summary\n=== short test summary info ===\n"
+               "PASSED r2e_tests/test_1.py::TestA::test_x\nFAILED r2e_tests/test_2.py::test_y - AssertionError\n")
+    assert parse_r2e_gym(summary) == {"TestA.test_x": "PASSED", "test_y": "FAILED"}
+    assert r2e_compare({"\x1b[1mtest_y\x1b[0m": "FAILED", "TestA.test_x": "PASSED"},
+                       {"TestA.test_x": "PASSED", "test_y": "FAILED"})
+    assert not r2e_compare({"TestA.test_x": "PASSED"}, {"TestA.test_x": "PASSED", "test_y": "FAILED"})
+    assert not r2e_compare({"TestA.test_x": "PASSED", "test_y": "PASSED"}, {"TestA.test_x": "PASSED", "test_y": "FAILED"})
+    diff = ("diff --git a/r2e_tests/conftest.py b/r2e_tests/conftest.py\n+x\n"
+            "diff --git a/src.py b/src.py\n+y\ndiff --git a/run_tests.sh b/run_tests.sh\n+z\n")
+    kept, dropped = drop_hidden(diff, ("run_tests.sh", "r2e_tests"))
+    assert kept == "diff --git a/src.py b/src.py\n+y\n" and dropped == ["r2e_tests/conftest.py", "run_tests.sh"]
+
+
+def test_rows_name_what_they_lack():
+    row = {"instance_id": "o__r.abcdef12.x", "repo": "swesmith/o__r.abcdef12", "patch": "", "FAIL_TO_PASS": ["t.py::a"],
+           "PASS_TO_PASS": [], "image_name": "i", "problem_statement": "p"}
+    with pytest.raises(datasets.DatasetRowError, match="patch: missing") as info:
+        datasets.adapt(row, "swe-smith")
+    assert info.value.field == "patch"
+    with pytest.raises(datasets.DatasetRowError, match="test_cmd: missing"):
+        datasets.adapt(row | {"patch": "diff --git a/x b/x\n", "FAIL_TO_PASS": ["TestFoo"]}, "swe-smith")
+    r2e = {"repo_name": "aiohttp", "docker_image": "namanjain12/aiohttp_final:f0", "problem_statement": "x",
+           "expected_output_json": "{}", "parsed_commit_content": "{}"}
+    with pytest.raises(datasets.DatasetRowError, match="expected_output_json: empty"):
+        datasets.adapt(r2e)
+    with pytest.raises(datasets.DatasetRowError, match="parsed_commit_content: not JSON"):
+        datasets.adapt(r2e | {"parsed_commit_content": "{"})
+
+
+# -- rows in their images ---------------------------------------------------------------------
+
+def parsed_commit(diff: str, old: str, new: str) -> dict:
+    """A git diff in R2E-Gym's ParsedCommit shape (commit_models/diff_classes.py)."""
+    files = []
+    for part in re.split(r"(?m)^(?=diff --git )", diff):
+        if not part.strip():
+            continue
+        lines = part.splitlines()
+        path = lines[0].split(" b/", 1)[1]
+        fd = {"old_file_content": "", "new_file_content": "", "header": {"file": {"path": path}, "misc_line": None},
+              "hunks": []}
+        for line in lines[1:]:
+            if line.startswith("new file mode"):
+                fd["header"]["misc_line"] = line
+            elif line.startswith("index "):
+                h, _, mode = line[6:].partition(" ")
+                a, b = h.split("..")
+                fd["index_line"] = {"old_commit_hash": a, "new_commit_hash": b, "mode": mode}
+            elif line.startswith("--- "):
+                fd["minus_file"] = {"path": line[4:]}
+            elif line.startswith("+++ "):
+                fd["plus_file"] = {"path": line[4:]}
+            elif m := re.match(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@ ?(.*)$", line):
+                rng = lambda s, n: {"start": int(s), "length": None if n is None else int(n)}  # noqa: E731
+                fd["hunks"].append({"descriptor": {"old_range": rng(m[1], m[2]), "new_range": rng(m[3], m[4]),
+                                                   "section": m[5]}, "line_group": {"all_lines": []}})
+            else:
+                kind = {" ": "context", "+": "added", "-": "deleted", "\\": "note"}[line[:1]]
+                fd["hunks"][-1]["line_group"]["all_lines"].append({"content": line[2:] if kind == "note" else line[1:],
+                                                                   "type": kind})
+        files.append(fd)
+    return {"file_diffs": files, "old_commit_hash": old, "new_commit_hash": new, "commit_message": "fix",
+            "commit_date": "2024-01-01T00:00:00", "metadata": {}}
+
+
+@pytest.fixture(scope="module")
+def smith(tmp_path_factory):
+    """A SWE-smith row and two images of its mirror: one whose clone has the instance's branch
+    (origin/<id>, as SWE-smith's images clone it), one without (the branch then made here)."""
+    client = require_docker()
+    tmp = tmp_path_factory.mktemp("smith")
+    row, repo = generated_task(tmp, 13)
+    mirror = tmp / "mirror"
+    mirror.mkdir()
+    subprocess.run(f"git -C {repo} archive HEAD | tar -x -C {mirror}", shell=True, check=True)
+    git(mirror, "init", "-q", "-b", "main")
+    git(mirror, "apply", "-", input=row["patch"])
+    git(mirror, "apply", "-", input=row["test_patch"])
+    git(mirror, "add", "-A")
+    git(mirror, "commit", "-qm", "Initial commit")
+    git(mirror, "apply", "-R", "-", input=row["patch"])
+    bug = git(mirror, "diff")
+    git(mirror, "checkout", "--", ".")
+    c8 = git(mirror, "rev-parse", "HEAD")[:8]
+    owner, name = row["repo"].split("/")
+    iid = f"{owner}__{name}.{c8}.func_pm_op_swap__k3x9q2"
+    f2p, p2p = [pytest_id(t) for t in row["FAIL_TO_PASS"]], [pytest_id(t) for t in row["PASS_TO_PASS"]]
+    with_branch = tmp / "with-branch"
+    shutil.copytree(mirror, with_branch)
+    git(with_branch, "checkout", "-q", "-b", iid)
+    git(with_branch, "apply", "-", input=bug)
+    git(with_branch, "add", "-A")
+    git(with_branch, "commit", "-qm", "Bug Patch")
+    for f in sorted({t.split("::")[0] for t in f2p}):
+        (with_branch / f).unlink()
+    git(with_branch, "add", "-A")
+    git(with_branch, "commit", "-qm", "Remove F2P Tests")
+    git(with_branch, "checkout", "-q", "main")
+    images = {}
+    for kind, source in (("branch", with_branch), ("no-branch", mirror)):
+        testbed = tmp / f"testbed-{kind}"
+        subprocess.run(["git", "clone", "-q", str(source), str(testbed)], check=True)
+        images[kind] = image_with(
+            client, datasets.swe_smith_image(f"swesmith/{owner}__{name}.{c8}") + f":{kind}",
+            trees=[("/testbed", testbed)] + pytest_files("/opt/miniconda3/envs/testbed/site"),
+            files={"/opt/miniconda3/bin/activate": CONDA_ACTIVATE,
+                   "/opt/miniconda3/envs/testbed/bin/pytest": '#!/bin/sh\nexec python3 -m pytest "$@"\n'})
+    shipped = {"instance_id": iid, "repo": f"swesmith/{owner}__{name}.{c8}", "patch": bug, "FAIL_TO_PASS": f2p,
+               "PASS_TO_PASS": p2p, "image_name": images["no-branch"], "problem_statement": row["problem_statement"]}
+    clean_blob = git(mirror, "rev-parse", f"HEAD:{[p for p in patch_files(bug)][0]}").strip()
+    yield {"row": shipped, "images": images, "clean_blob": clean_blob, "bug": bug}
+    for image in images.values():
+        client.images.remove(image, force=True)
+
+
+def config(tmp_path, **kw) -> SWEEnvConfig:
+    return SWEEnvConfig(backend="docker", image_cache_dir=tmp_path / "images", **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_a_swe_smith_row_starts_at_its_branch_tip_with_nothing_of_the_answer(smith, tmp_path):
+    trees = {}
+    for kind, image in smith["images"].items():
+        task = Task.model_validate(datasets.adapt(smith["row"] | {"image_name": image}))
+        assert (task.harness, task.repo_dir(), task.log_parser, task.history_mode()) == ("swe-smith", "/testbed",
+                                                                                          "swe_smith", "none")
+        f2p_files = sorted({t.split("::")[0] for t in task.FAIL_TO_PASS})
+        async with task_sandbox(task, config(tmp_path)) as sandbox:
+            r = await sandbox.execute("git log --all --format=%s; git status --porcelain; ls /tmp/.swerve-bug.patch "
+                                      f"{' '.join(f2p_files)} 2>&1 | grep -c 'No such'; "
+                                      f"git cat-file -e {smith['clean_blob']} 2>/dev/null && echo CLEAN-FOUND; "
+                                      "git rev-parse 'HEAD^{tree}'")
+            lines = r.output.split()
+            assert lines[:2] == ["base", str(1 + len(f2p_files))] and "CLEAN-FOUND" not in r.output, r.output
+            trees[kind] = lines[-1]
+            bug_line = next(line[1:] for line in smith["bug"].splitlines() if line.startswith("+") and
+                            not line.startswith("+++"))
+            assert (await sandbox.execute(f"git grep -qF {shlex.quote(bug_line.strip())} && echo BUG")).output.strip() == "BUG"
+    assert trees["branch"] == trees["no-branch"], trees  # made here, the branch is SWE-smith's own
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_a_swe_smith_row_grades_by_its_profile_gold_full_empty_no(smith, tmp_path):
+    for image in smith["images"].values():
+        task = Task.model_validate(datasets.adapt(smith["row"] | {"image_name": image}))
+        gold = await grade(task, task.patch, config(tmp_path))
+        assert gold.resolution == "FULL", gold.log_tail
+        assert sorted(gold.fail_to_pass["success"]) == sorted(task.FAIL_TO_PASS)
+        assert set(task.PASS_TO_PASS) <= set(gold.tests)
+        empty = await grade(task, "", config(tmp_path))
+        assert empty.resolution == "NO" and sorted(empty.fail_to_pass["failure"]) == sorted(task.FAIL_TO_PASS)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_writing_the_hidden_f2p_tests_earns_nothing(smith, tmp_path):
+    task = Task.model_validate(datasets.adapt(smith["row"]))
+    [f2p_file] = sorted({t.split("::")[0] for t in task.FAIL_TO_PASS})
+    methods = sorted({t.rsplit("::", 1)[1] for t in task.FAIL_TO_PASS})
+    cls = task.FAIL_TO_PASS[0].split("::")[1]
+    body = "import unittest\n\n\nclass %s(unittest.TestCase):\n" % cls + "".join(
+        f"    def {m}(self):\n        pass\n" for m in methods)
+    lines = body.splitlines()
+    forged = (f"diff --git a/{f2p_file} b/{f2p_file}\nnew file mode 100644\n--- /dev/null\n+++ b/{f2p_file}\n"
+              f"@@ -0,0 +1,{len(lines)} @@\n" + "".join(f"+{line}\n" for line in lines))
+    report = await grade(task, forged, config(tmp_path))
+    assert report.resolution == "NO" and {"guard": "reverted", "detail": f2p_file} in report.guards, report.guards
+
+
+@pytest.fixture(scope="module")
+def r2e(tmp_path_factory):
+    """An R2E-Gym row and its image: /testbed the upstream clone (the fix among its commits),
+    checked out at the old commit, with `.venv` and run_tests.sh; the hidden tests at /r2e_tests,
+    one of them failing before and after the fix, as expected_output_json records it."""
+    client = require_docker()
+    tmp = tmp_path_factory.mktemp("r2e")
+    row, repo = generated_task(tmp, 17)
+    old = row["base_commit"]
+    git(repo, "checkout", "-q", "-b", "upstream")
+    git(repo, "apply", "-", input=row["patch"])
+    git(repo, "apply", "-", input=row["test_patch"])
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "fix the bug")
+    new = git(repo, "rev-parse", "HEAD").strip()
+    tests = {f"/r2e_tests/test_{i}.py": (repo / f).read_text()
+             for i, f in enumerate(sorted({t.split("::")[0] for t in map(pytest_id, row["FAIL_TO_PASS"] + row["PASS_TO_PASS"])}), 1)}
+    tests["/r2e_tests/test_9.py"] = "def test_known_failure():\n    assert 1 == 2\n"
+    git(repo, "checkout", "-q", old)
+    expected = {".".join(pytest_id(t).split("::")[1:]): "PASSED" for t in row["FAIL_TO_PASS"] + row["PASS_TO_PASS"]}
+    forged = "short test summary info\\n" + "".join(f"{s} r2e_tests/test_1.py::{t.replace('.', '::')}\\n"
+                                                    for t, s in (expected | {"test_known_failure": "FAILED"}).items())
+    module = repo / patch_files(row["patch"])[0]
+    text = module.read_text()
+    module.write_text(f"import os\nos.write(os.open('/proc/%d/fd/1' % os.getppid(), os.O_WRONLY), b'{forged}')\n" + text)
+    forge = git(repo, "diff")
+    module.write_text(text)
+    version = client.containers.run(require_base(client), ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                    remove=True).decode().strip()
+    site = f"/testbed/.venv/lib/python{version}/site-packages"
+    name = row["repo"].split("/")[1]
+    image = image_with(client, f"namanjain12/{name}_final:{new[:12]}",
+                       trees=[("/testbed", repo)] + pytest_files(site),
+                       files={**tests, "/testbed/run_tests.sh": "#!/bin/bash\n.venv/bin/python -W ignore -m pytest -rA r2e_tests\n",
+                              "/testbed/.venv/pyvenv.cfg": f"home = /usr/bin\ninclude-system-site-packages = false\nversion = {version}\n"},
+                       links={"/testbed/.venv/bin/python": "/usr/bin/python3"})
+    f2p = [".".join(pytest_id(t).split("::")[1:]) for t in row["FAIL_TO_PASS"]]
+    p2p = [".".join(pytest_id(t).split("::")[1:]) for t in row["PASS_TO_PASS"]]
+
+    def summary(statuses: dict[str, str]) -> str:
+        return "=== short test summary info ===\n" + "".join(f"{s} r2e_tests/test_x.py::{t.replace('.', '::')}\n"
+                                                            for t, s in statuses.items())
+
+    known = {"test_known_failure": "FAILED"}
+    shipped = {"repo_name": name, "docker_image": image, "commit_hash": new, "problem_statement":
+               f"[ISSUE]{row['problem_statement']}[/ISSUE]", "modified_files": patch_files(row["patch"]),
+               "parsed_commit_content": json.dumps(parsed_commit(row["patch"] + row["test_patch"], old, new)),
+               "execution_result_content": json.dumps({
+                   "old_commit_res_stdout": summary({t: "FAILED" for t in f2p} | {t: "PASSED" for t in p2p} | known),
+                   "new_commit_res_stdout": summary({t: "PASSED" for t in f2p + p2p} | known)}),
+               "expected_output_json": json.dumps({t: "PASSED" for t in f2p + p2p} | known)}
+    yield {"row": shipped, "new": new, "old": old, "f2p": f2p, "p2p": p2p, "gold": row["patch"], "forge": forge}
+    client.images.remove(image, force=True)
+
+
+def require_base(client) -> str:
+    from sandboxes.images import BASE_IMAGE, ensure_base_image
+
+    return ensure_base_image(client, BASE_IMAGE)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_an_r2e_row_starts_without_its_hidden_tests_or_later_commits(r2e, tmp_path):
+    task = Task.model_validate(datasets.adapt(r2e["row"]))
+    assert (task.base_commit, task.harness, task.image) == (r2e["old"], "r2e-gym", r2e["row"]["docker_image"])
+    assert sorted(task.FAIL_TO_PASS) == sorted(r2e["f2p"]) and sorted(task.PASS_TO_PASS) == sorted(r2e["p2p"])
+    assert task.patch == r2e["gold"] and "[ISSUE]" not in task.problem_statement
+    async with task_sandbox(task, config(tmp_path)) as sandbox:
+        r = await sandbox.execute(f"pwd; ls -a / . | grep -c -e r2e_tests -e run_tests; git cat-file -e {r2e['new']} "
+                                  "2>/dev/null && echo FIX-FOUND; git status --porcelain; "
+                                  ".venv/bin/python -c 'import pytest; print(\"venv-ok\")'")
+        assert r.output.split() == ["/testbed", "0", "venv-ok"], r.output
+    with pytest.raises(SandboxError, match="docker backend"):
+        async with task_sandbox(task, SWEEnvConfig(backend="bwrap", image_cache_dir=tmp_path / "images")):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_an_r2e_row_is_rewarded_by_exact_match(r2e, tmp_path):
+    task = Task.model_validate(datasets.adapt(r2e["row"]))
+    gold = await grade(task, task.patch, config(tmp_path))
+    assert gold.resolution == "FULL" and gold.tests.get("test_known_failure") == "FAILED", gold.log_tail
+    empty = await grade(task, "", config(tmp_path))
+    assert empty.resolution == "NO" and sorted(empty.fail_to_pass["failure"]) == sorted(task.FAIL_TO_PASS)
+    wrong = task.model_copy(update={"expected_output": task.expected_output | {"test_known_failure": "PASSED"}})
+    assert (await grade(wrong, task.patch, config(tmp_path))).resolution == "NO"  # exact: a status off is 0
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_an_r2e_agent_cannot_reach_the_hidden_tests_or_forge_their_summary(r2e, tmp_path):
+    task = Task.model_validate(datasets.adapt(r2e["row"]))
+    passing = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+               "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    plant = "".join(f"+{line}\n" for line in passing.splitlines())
+    n = len(passing.splitlines())
+    conftest = (f"diff --git a/r2e_tests/conftest.py b/r2e_tests/conftest.py\nnew file mode 100644\n--- /dev/null\n"
+                f"+++ b/r2e_tests/conftest.py\n@@ -0,0 +1,{n} @@\n{plant}")
+    report = await grade(task, conftest, config(tmp_path))
+    assert report.resolution == "NO" and {"guard": "reverted", "detail": "r2e_tests/conftest.py"} in report.guards
+    rejected = await grade(task, conftest, config(tmp_path, integrity="reject"))
+    assert rejected.resolution == "NO" and rejected.guards[0]["guard"] == "rejected"
+    # printed past pytest's capture, to the runner's own output: a summary of the expected statuses
+    report = await grade(task, r2e["forge"], config(tmp_path))
+    assert report.resolution == "NO" and any(g["guard"] == "conflicting_results" for g in report.guards), report.log_tail
