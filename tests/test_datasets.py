@@ -117,3 +117,20 @@ async def test_the_api_imports_with_a_format(app_client):
                               content=json.dumps(SWE_BENCH).encode(),
                               headers=auth() | {"Content-Type": "application/x-ndjson"})
     assert r.status_code == 422
+
+
+async def test_the_api_imports_parquet_as_the_datasets_ship_it(app_client):
+    import io
+
+    row = SWE_BENCH | {"install_config": json.dumps({"test_cmd": ["pytest -rA tests"], "log_parser": "parse_log_pytest",
+                                                     "install": ["pip install -e ."]})}
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist([row, row | {"instance_id": "django__django-11100"}]), buf, row_group_size=1)
+    headers = auth() | {"Content-Type": "application/vnd.apache.parquet"}
+    r = await app_client.post("/api/v1/suites", params={"name": "pq", "format": "auto"}, content=buf.getvalue(),
+                              headers=headers)
+    assert r.status_code == 201 and r.json()["task_count"] == 2, r.text
+    items = (await app_client.get(f"/api/v1/suites/{r.json()['id']}/tasks")).json()["items"]
+    assert [i["instance_id"] for i in items] == ["django__django-11099", "django__django-11100"]
+    r = await app_client.post("/api/v1/suites", params={"name": "notpq"}, content=b"PAR1 but not really", headers=headers)
+    assert r.status_code == 422 and "not a Parquet file" in r.text, r.text

@@ -1,4 +1,4 @@
-"""Streaming suite import: parse JSONL or a JSON array chunk by chunk, validate, insert in batches.
+"""Streaming suite import: parse JSONL, a JSON array or Parquet chunk by chunk, validate, insert in batches.
 
 A suite is all-or-nothing: one bad record rolls the whole import back, and the error list
 names every bad record's line (JSONL) or index (JSON array), instance_id and field path.
@@ -6,6 +6,7 @@ names every bad record's line (JSONL) or index (JSON array), instance_id and fie
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ from service.store.tasks import task_row
 INSERT_BATCH = 500
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
 JSON_TYPES = ("application/json",)
+PARQUET_TYPES = ("application/vnd.apache.parquet", "application/x-parquet", "application/parquet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +253,22 @@ def parser_for(content_type: str) -> Any:
         return parse_jsonl
     if media in JSON_TYPES:
         return parse_json_array
+    if media in PARQUET_TYPES:
+        return parse_parquet_upload
     return None
+
+
+async def parse_parquet_upload(chunks: AsyncIterable[bytes]) -> AsyncIterator[_Parsed]:
+    """An uploaded Parquet file's rows: the body is spooled to a temporary file first (Parquet's
+    index is at its end), the rows then read one row group at a time."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(prefix="swerve-upload-", suffix=".parquet") as spool:
+        async for chunk in chunks:
+            await asyncio.to_thread(spool.write, chunk)
+        await asyncio.to_thread(spool.flush)
+        async for parsed in parse_parquet(spool.name):
+            yield parsed
 
 
 async def parse_parquet(path: str) -> AsyncIterator[_Parsed]:

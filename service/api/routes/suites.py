@@ -37,10 +37,12 @@ _TASK_ITEM = {"type": "object", "additionalProperties": True,
 _UPLOAD_BODY = {
     "requestBody": {
         "required": True,
-        "description": "A SWE-bench suite: JSONL (one task per line) or a JSON array of tasks.",
+        "description": "A suite: JSONL (one task per line), a JSON array of tasks, or Parquet as the "
+                       "datasets ship on Hugging Face.",
         "content": {
             "application/x-ndjson": {"schema": {"type": "string"}},
             "application/json": {"schema": {"type": "array", "items": _TASK_ITEM}},
+            "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary"}},
         },
     }
 }
@@ -72,7 +74,7 @@ async def upload_suite(
     parse = importer.parser_for(request.headers.get("content-type", ""))
     if parse is None:
         raise HTTPException(status_code=415, detail="send the suite as application/x-ndjson "
-                            "(JSONL) or application/json (an array of tasks)")
+                            "(JSONL), application/json (an array of tasks) or application/vnd.apache.parquet")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > settings.max_upload_bytes:
         raise importer.UploadTooLarge(settings.max_upload_bytes)
