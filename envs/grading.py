@@ -68,6 +68,9 @@ class GradingReport:
     log_tail: str = ""
     guards: list[dict] = field(default_factory=list)
     """Integrity guards that fired (envs/integrity.py): {"guard": ..., "detail": ...}."""
+    log: str = field(default="", repr=False)
+    """The tests' whole output (SWE-bench's test_output.txt); not stored with episodes, whose
+    report keeps `log_tail`."""
 
     def reward(self, partial_credit: bool = False) -> float:
         if self.resolution == "FULL":
@@ -78,7 +81,9 @@ class GradingReport:
         return 0.0
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["log"]
+        return out
 
 
 def tests_report(status_map: dict[str, str], f2p: list[str], p2p: list[str]) -> tuple[dict, dict]:
@@ -119,7 +124,8 @@ def report_from_log(log: str, parser: str, f2p: list[str], p2p: list[str],
     status_map = PARSERS[parser](log)
     f2p_report, p2p_report = tests_report(status_map, f2p, p2p)
     report = GradingReport(resolution=resolution(f2p_report, p2p_report), fail_to_pass=f2p_report,
-                           pass_to_pass=p2p_report, tests=status_map, log_tail=log[-4000:], test_exit_code=exit_code)
+                           pass_to_pass=p2p_report, tests=status_map, log_tail=log[-4000:], test_exit_code=exit_code,
+                           log=log)
     if parser in PYTEST_PARSERS and (forged := conflicting_results(_all_statuses(log, parser))):
         report.guards.append(asdict(Guard("conflicting_results", ", ".join(forged[:20]))))
     if exit_code is not None and exit_code != 0 and report.resolution == "FULL":
@@ -218,5 +224,5 @@ async def run_tests(sandbox, *, base_commit: str, test_patch: str, test_cmd: str
         raise RewardError(f"tests did not finish within {timeout_s} s", kind="test_timeout", log=result.output)
     log = log_of(result.output) if log_of else result.output
     report = report_from_log(log, parser, f2p, p2p, result.exit_code if exit_code_counts else None)
-    report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
+    report.test_exit_code, report.duration_s, report.log = result.exit_code, time.monotonic() - started, result.output
     return report

@@ -45,9 +45,14 @@ class Prediction:
 
 def load_predictions(path: Path) -> list[Prediction]:
     """SWE-bench's accepted shapes: JSON Lines, a JSON list, or a JSON object keyed by instance."""
-    text = path.read_text()
+    return parse_predictions(path.read_text(), str(path), as_json=path.suffix == ".json")
+
+
+def parse_predictions(text: str, path: str, as_json: bool) -> list[Prediction]:
+    """`text` as a JSON document (a list, or an object keyed by instance) or as JSON Lines.
+    Raises PredictionsError naming where and what to do."""
     rows: list[tuple[str, object]] = []
-    if path.suffix == ".json":
+    if as_json:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -131,7 +136,7 @@ async def evaluate(predictions: list[Prediction], tasks: list[Task], cfg: SWEEnv
                 if progress:
                     progress(p.instance_id, "error")
                 return
-            (folder / TEST_OUTPUT).write_text(report.log_tail)
+            (folder / TEST_OUTPUT).write_text(report.log or report.log_tail)
             tmp = folder / f".{REPORT}.partial"
             tmp.write_text(json.dumps(instance_report(p, report), indent=4))
             tmp.replace(folder / REPORT)  # a report exists whole or not at all: resumable
@@ -143,30 +148,43 @@ async def evaluate(predictions: list[Prediction], tasks: list[Task], cfg: SWEEnv
 
 
 def run_report(predictions: list[Prediction], tasks: list[Task], out: Path, run_id: str) -> dict:
-    """SWE-bench's make_run_report, from the instance reports on disk."""
-    by_id = {p.instance_id: p for p in predictions}
-    ids = {k: set() for k in ("completed", "resolved", "unresolved", "empty_patch", "error", "incomplete")}
-    for task in tasks:
-        p = by_id.get(task.instance_id)
-        if p is None:
-            ids["incomplete"].add(task.instance_id)
-            continue
-        if p.model_patch in ("", None):
-            ids["empty_patch"].add(p.instance_id)
-            continue
+    """SWE-bench's make_run_report, from the instance reports on disk (written beside them)."""
+    outcomes: dict[str, str] = {}
+    for p in predictions:
         path = instance_dir(out, run_id, p) / REPORT
-        if not path.exists():
-            ids["error"].add(p.instance_id)
+        if not p.model_patch or not path.exists():
             continue
-        ids["completed"].add(p.instance_id)
         try:
-            resolved = json.loads(path.read_text())[p.instance_id]["resolved"]
+            outcomes[p.instance_id] = "resolved" if json.loads(path.read_text())[p.instance_id]["resolved"] else "unresolved"
         except (json.JSONDecodeError, KeyError):
-            ids["error"].add(p.instance_id)
-            continue
-        ids["resolved" if resolved else "unresolved"].add(p.instance_id)
-    report = {
-        "total_instances": len(tasks), "submitted_instances": len(predictions),
+            pass
+    report = make_run_report(predictions, [t.instance_id for t in tasks], outcomes)
+    model = predictions[0].model_name_or_path.replace("/", "__") if predictions else "none"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{model}.{run_id}.json").write_text(json.dumps(report, indent=4))
+    return report
+
+
+def make_run_report(predictions: list[Prediction], instance_ids: list[str], outcomes: dict[str, str]) -> dict:
+    """SWE-bench's make_run_report: `outcomes` holds "resolved" or "unresolved" for each graded
+    prediction; a non-empty one without an outcome is an error, an instance not predicted is
+    incomplete."""
+    by_id = {p.instance_id: p for p in predictions}
+    ids: dict[str, set[str]] = {k: set() for k in ("completed", "resolved", "unresolved", "empty_patch", "error",
+                                                   "incomplete")}  # fmt: skip
+    for instance_id in instance_ids:
+        p = by_id.get(instance_id)
+        if p is None:
+            ids["incomplete"].add(instance_id)
+        elif p.model_patch in ("", None):
+            ids["empty_patch"].add(instance_id)
+        elif instance_id not in outcomes:
+            ids["error"].add(instance_id)
+        else:
+            ids["completed"].add(instance_id)
+            ids[outcomes[instance_id]].add(instance_id)
+    return {
+        "total_instances": len(instance_ids), "submitted_instances": len(predictions),
         **{f"{k}_instances": len(ids[k]) for k in ("completed", "resolved", "unresolved")},
         "infra_failure_instances": 0, "ambiguous_failure_instances": 0,
         "empty_patch_instances": len(ids["empty_patch"]), "error_instances": len(ids["error"]),
@@ -176,7 +194,3 @@ def run_report(predictions: list[Prediction], tasks: list[Task], out: Path, run_
         "infra_failure_ids": [], "ambiguous_failure_ids": [], "failure_reasons": {},
         "error_ids": sorted(ids["error"]), "schema_version": 2,
     }  # fmt: skip
-    model = predictions[0].model_name_or_path.replace("/", "__") if predictions else "none"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{model}.{run_id}.json").write_text(json.dumps(report, indent=4))
-    return report

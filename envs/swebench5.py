@@ -92,5 +92,5 @@ async def run_eval_script(sandbox, task: Task, timeout_s: float) -> GradingRepor
     verdict = {ResolvedStatus.FULL.value: "FULL", ResolvedStatus.PARTIAL.value: "PARTIAL"}
     resolution = verdict.get(get_resolution_status(tests), "NO") if found else "NO"
     return GradingReport(resolution=resolution, fail_to_pass=tests["FAIL_TO_PASS"], pass_to_pass=tests["PASS_TO_PASS"],
-                         tests=status_map, test_exit_code=parse_test_exit_code(log), log_tail=log[-4000:],
+                         tests=status_map, test_exit_code=parse_test_exit_code(log), log_tail=log[-4000:], log=log,
                          duration_s=time.monotonic() - started)

@@ -9,8 +9,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from service.store import db
-from service.api.routes import health, runs, suites, tasks
+from service.api.routes import evaluations, health, runs, suites, tasks
 from service.config import Settings, get_settings
+from service.control.evaluations import EvaluationExists
 from service.control.suites import SuiteNameTaken, SuiteRejected, UploadTooLarge
 from service.control.views import NotFound, TokenizerUnavailable
 
@@ -35,7 +36,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.worker = InProcessWorker(app.state.celery, settings, settings.embedded_worker_concurrency)
         app.state.supervisor = _supervisor(app, settings)
         app.state.supervisor.run_in_background()  # runs left active by a dead process are taken over
+        app.state.evaluations = _evaluations(app, settings)
+        app.state.evaluations.run_in_background()
         yield
+        await app.state.evaluations.close()
         await app.state.supervisor.close()
         if app.state.worker is not None:
             app.state.worker.stop()
@@ -46,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="swerve", version="0.1.0", lifespan=lifespan,
                   description="Rollout service for RL of coding agents.")
     app.state.settings = settings
-    for module in (health, suites, tasks, runs):
+    for module in (health, suites, tasks, runs, evaluations):
         app.include_router(module.router, prefix="/api/v1")
     _add_error_handlers(app)
 
@@ -63,7 +67,16 @@ def _supervisor(app: FastAPI, settings: Settings):
     return Supervisor(app.state.engine, episode_sender(app.state.celery), lease_s=settings.orchestrator_lease_s)
 
 
-ERROR_STATUS = {UploadTooLarge: 413, NotFound: 404, TokenizerUnavailable: 409, SuiteNameTaken: 409}
+def _evaluations(app: FastAPI, settings: Settings):
+    from service.control.evaluations import EvaluationSupervisor
+    from service.worker.app import prediction_sender
+
+    return EvaluationSupervisor(app.state.engine, prediction_sender(app.state.celery), app.state.supervisor.owner,
+                                lease_s=settings.orchestrator_lease_s)
+
+
+ERROR_STATUS = {UploadTooLarge: 413, NotFound: 404, TokenizerUnavailable: 409, SuiteNameTaken: 409,
+                EvaluationExists: 409}
 """The control plane's errors and the HTTP status each answers with ({"detail": message})."""
 
 

@@ -247,8 +247,8 @@ def eval_predictions(
     predictions: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True,
                                                 help="SWE-bench predictions: instance_id, model_name_or_path, "
                                                      "model_patch (JSON Lines, or JSON).")],
-    suite: Annotated[Path, typer.Option(exists=True, dir_okay=False, readable=True,
-                                        help="The suite file the predictions are for (JSON Lines or JSON).")],
+    suite: Annotated[str, typer.Option(help="The suite the predictions are for: a suite file (JSON Lines, JSON or "
+                                            "Parquet), or the name or id of an imported suite.")],
     run_id: Annotated[str, typer.Option(help="Names this evaluation; rerun with it to resume.")] = "swerve-eval",
     out: Annotated[Path, typer.Option(help="Where reports go (SWE-bench's layout).")] = Path("evaluation_results"),
     backend: Annotated[str, typer.Option(help="Sandbox backend: bwrap or docker.")] = "bwrap",
@@ -258,14 +258,17 @@ def eval_predictions(
     """Grade predictions as the SWE-bench harness does; print its run report (resolved_ids, ...)."""
     from envs.datasets import DatasetRowError, load_tasks
     from envs.predictions import PredictionsError, evaluate, load_predictions
-    from envs.swe_env import SWEEnvConfig
+    from envs.swe_env import EXAMPLE_BUNDLES, SWEEnvConfig
 
     settings = _settings()
     try:
         preds = load_predictions(predictions)
-        tasks = load_tasks(suite, format)
+        if Path(suite).is_file():
+            tasks, bundles = load_tasks(Path(suite), format), (Path(suite).parent / "bundles",)
+        else:
+            tasks, bundles = _imported_suite(settings, suite), ()
         cfg = SWEEnvConfig(backend=backend, image_cache_dir=settings.data_dir / "images",
-                           bundle_dirs=(suite.parent / "bundles", settings.data_dir / "bundles"))
+                           bundle_dirs=(*bundles, settings.data_dir / "bundles", EXAMPLE_BUNDLES))
         report = asyncio.run(evaluate(preds, tasks, cfg, out, run_id, concurrency,
                                       progress=lambda iid, verdict: typer.echo(f"{iid}: {verdict}", err=True)))
     except (PredictionsError, DatasetRowError) as e:
@@ -273,6 +276,34 @@ def eval_predictions(
         raise typer.Exit(2) from e
     json.dump(report, sys.stdout, indent=1)
     sys.stdout.write("\n")
+
+
+def _imported_suite(settings, name_or_id: str) -> list:
+    """The tasks of a live imported suite named (or with the id) `name_or_id`; exits 2 if none."""
+    import uuid
+
+    import sqlalchemy as sa
+
+    from service.store import db
+    from service.store.tables import Suite, Task
+    from service.store.tasks import task_from_row
+
+    try:
+        key = Suite.id == uuid.UUID(name_or_id)
+    except ValueError:
+        key = Suite.name == name_or_id
+    engine = db.make_engine(settings.resolved_database_url)
+    try:
+        with engine.connect() as conn:
+            suite_id = conn.execute(sa.select(Suite.id).where(key, Suite.deleted_at.is_(None))).scalar()
+            rows = conn.execute(sa.select(Task).where(Task.suite_id == suite_id).order_by(Task.position)).all()
+    finally:
+        engine.dispose()
+    if suite_id is None:
+        typer.secho(f"--suite: {name_or_id!r} is neither a file nor an imported suite's name or id "
+                    "(GET /api/v1/suites lists them)", fg="red", err=True)
+        raise typer.Exit(2)
+    return [task_from_row(r) for r in rows]
 
 
 @app.command("export")

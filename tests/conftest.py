@@ -23,7 +23,7 @@ TOKEN = "test-token-0123456789abcdef"
 PG_ADMIN_URL = os.environ.get(
     "SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
-TABLES = ("turns", "episodes", "groups", "runs", "tasks", "suites", "policies")
+TABLES = ("evaluation_instances", "evaluations", "turns", "episodes", "groups", "runs", "tasks", "suites", "policies")
 
 
 def services_required() -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import re
 import uuid
 
 import pytest
@@ -25,7 +26,7 @@ from service.worker.scripted import oracle_actions
 from service.control.runs import create_run
 from service.worker.config import RunConfig
 from service.store.tasks import task_from_row
-from service.store.tables import Episode, Group, Run, Suite, Task, Turn
+from service.store.tables import Episode, Evaluation, EvaluationInstance, Group, Run, Suite, Task, Turn
 from service.fleet.tiny_model import init_tiny
 from service.ui import pages
 from tests.conftest import TOKEN, auth, client_for, make_settings
@@ -125,6 +126,31 @@ async def validations(engine, suite_id: uuid.UUID) -> None:
         await conn.execute(sa.update(Suite).where(Suite.id == suite_id).values(validation_status="done"))
 
 
+async def evaluation(engine, suite_id: uuid.UUID) -> tuple[uuid.UUID, list[str]]:
+    """A finished evaluation: one prediction graded (its test log names the hidden test), one
+    whose grading failed with the harness's output."""
+    from envs.predictions import Prediction
+    from service.control.evaluations import EvaluationConfig, create_evaluation
+
+    async with engine.connect() as conn:
+        ids = (await conn.execute(sa.select(Task.instance_id).where(Task.suite_id == suite_id)
+                                  .order_by(Task.position))).scalars().all()
+    patch = f"diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-x = 0\n+x = '{MODEL}'\n"
+    evaluation_id = await create_evaluation(engine, suite_id, "r", [Prediction(i, "m", patch) for i in ids],
+                                            EvaluationConfig())
+    async with engine.begin() as conn:
+        for n, instance_id in enumerate(ids):
+            values = ({"status": "unresolved", "report": {instance_id: {"resolved": False}},
+                       "test_output": f"FAILED tests/test_m.py::test_x - assert m.x == '{HIDDEN}'"} if n == 0 else
+                      {"status": "error", "error": f"RewardError: the test patch does not apply: {HIDDEN}",
+                       "test_output": f"error: {HIDDEN}"})
+            await conn.execute(sa.update(EvaluationInstance).where(EvaluationInstance.instance_id == instance_id,
+                                                                   EvaluationInstance.evaluation_id == evaluation_id)
+                               .values(**values))
+        await conn.execute(sa.update(Evaluation).where(Evaluation.id == evaluation_id).values(status="done"))
+    return evaluation_id, list(ids)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     return init_tiny(tmp_path_factory.mktemp("tiny") / "tiny")
@@ -149,6 +175,7 @@ async def answers(db_url, tokenizer_dir):
             runs = [await oracle_run(engine, suite_id, tok, tokenizer_dir),
                     await model_run(engine, suite_id, tok, tokenizer_dir)]
             await validations(engine, suite_id)
+            evaluation_id, evaluated = await evaluation(engine, suite_id)
             async with engine.begin() as conn:
                 await conn.execute(sa.update(Run).values(status="finished"))
             episodes = [[row.episode_id for row in await episodes_of(engine, r)] for r in runs]
@@ -164,7 +191,7 @@ async def answers(db_url, tokenizer_dir):
             "client": client, "app": served.app, "suite_id": [suite_id], "task_id": tasks,
             "run_id": runs, "run": runs, "episode_id": episodes[0] + episodes[1], "turn": [0, 1], "group_id": groups,
             "oracle_run": runs[0], "model_run": runs[1], "oracle_episodes": episodes[0],
-            "model_episodes": episodes[1],
+            "model_episodes": episodes[1], "evaluation_id": [evaluation_id], "instance_id": evaluated,
             # an oracle turn's tokens as a JSON list and as stored bytes (arrays=base64)
             "secrets": sorted({GOLD, HIDDEN, ",".join(map(str, first_call[:40]))}
                               | {base64.b64encode(b).decode() for row in blobs for b in row}),
@@ -195,7 +222,8 @@ def requests_for(path: str, parameters: list[dict], values: dict) -> list[tuple[
     out = []
     for combo in itertools.product(*choices.values()):
         chosen = dict(zip(choices, combo))
-        url = path.format(**{name: v for (where, name), v in chosen.items() if where == "path"})
+        url = re.sub(r"\{(\w+):\w+\}", r"{\1}", path).format(  # a Starlette converter ({id:path}) names the id
+            **{name: v for (where, name), v in chosen.items() if where == "path"})
         out.append((url, {name: str(v) for (where, name), v in chosen.items() if where == "query"}))
     return out
 

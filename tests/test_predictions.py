@@ -101,3 +101,21 @@ def test_a_swebench_v4_row_without_its_spec_is_refused_by_name_not_graded_on_def
     assert not result["valid"] and "SWE-bench row of the v4 shape" in result["error"]
     assert "add `install` and `test_cmd`" in result["error"] and row["instance_id"] in result["error"]
     assert not (tmp_path / "var" / "images").exists() or not any((tmp_path / "var" / "images").iterdir())
+
+
+def test_an_imported_suite_is_named_instead_of_a_file(tmp_path):
+    require_bwrap()
+    env = {"SWERVE_DATA_DIR": str(tmp_path / "var"), "PATH": os.environ["PATH"]}
+    assert run_cli(["db", "upgrade"], env).returncode == 0
+    done = run_cli(["suite", "import", str(SUITE), "--name", "examples"], env)
+    assert done.returncode == 0, done.stderr
+    preds = write(tmp_path / "p.jsonl", [{"instance_id": ROWS[0]["instance_id"], "model_name_or_path": MODEL,
+                                          "model_patch": ROWS[0]["patch"]}])
+    out = tmp_path / "results"
+    done = run_cli(["eval", str(preds), "--suite", "examples", "--run-id", "r", "--out", str(out)], env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["resolved_ids"] == [ROWS[0]["instance_id"]]
+    log = (out / "r" / "org__model-7b" / ROWS[0]["instance_id"] / "test_output.txt").read_text()
+    assert all(t.split(" ")[0] in log for t in ROWS[0]["FAIL_TO_PASS"] + ROWS[0]["PASS_TO_PASS"]), log[-2000:]
+    done = run_cli(["eval", str(preds), "--suite", "no-such-suite"], env)
+    assert done.returncode == 2 and "neither a file nor an imported suite" in done.stderr

@@ -64,6 +64,10 @@ class Answers:
             out["turns"] = [self.turn(t, oracle=oracle) for t in out["turns"]]
         return out
 
+    def evaluation_instance(self, instance: dict) -> dict:
+        """A graded prediction: the test log and the harness's message carry the hidden tests."""
+        return _withhold(instance, () if self.shown else ("test_output", "error"))
+
     def validation(self, validation: dict | None) -> dict | None:
         """A task's validation; its error is the harness's output when neither patch was graded."""
         if validation is None:

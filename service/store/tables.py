@@ -248,3 +248,53 @@ class Turn(Base):
     started_at: Mapped[datetime] = _created_at()
     generation_s: Mapped[float | None] = mapped_column(sa.Float)
     tool_s: Mapped[float | None] = mapped_column(sa.Float)
+
+
+class Evaluation(Base):
+    """Predictions graded like the SWE-bench harness (`POST /api/v1/evaluations`): one model's
+    patches for a suite's instances, graded by the workers, the run report once all are."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (sa.UniqueConstraint("suite_id", "run_id", "model_name_or_path"), sa.Index(None, "status"))
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    suite_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("suites.id", ondelete="RESTRICT"))
+    run_id: Mapped[str] = mapped_column(sa.String(200))
+    """SWE-bench's run id: names the evaluation in its reports."""
+    model_name_or_path: Mapped[str] = mapped_column(sa.String(500))
+    status: Mapped[str] = mapped_column(sa.String(16), default="running")
+    """running, done, cancelled or failed."""
+    config: Mapped[dict] = mapped_column(JSONType)
+    """backend, concurrency."""
+    created_at: Mapped[datetime] = _created_at()
+    finished_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    owner: Mapped[str | None] = mapped_column(sa.String(200))
+    """The process that hands its instances to the workers; taken over when its heartbeat lapses."""
+    owner_heartbeat_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    report: Mapped[dict | None] = mapped_column(JSONType)
+    """SWE-bench's run report (make_run_report's fields), set when every instance is graded."""
+    error: Mapped[str | None] = mapped_column(sa.Text)
+
+
+class EvaluationInstance(Base):
+    """One prediction of an evaluation and its grading."""
+
+    __tablename__ = "evaluation_instances"
+    __table_args__ = (sa.Index(None, "evaluation_id", "status"),)
+
+    evaluation_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("evaluations.id", ondelete="CASCADE"),
+                                                     primary_key=True)
+    instance_id: Mapped[str] = mapped_column(sa.String(256), primary_key=True)
+    task_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("tasks.id", ondelete="RESTRICT"))
+    model_patch: Mapped[str | None] = mapped_column(sa.Text)
+    status: Mapped[str] = mapped_column(sa.String(16))
+    """pending, grading, resolved, unresolved, empty_patch, error."""
+    attempt: Mapped[int] = mapped_column(default=0)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    """While grading: renewed by the worker; a lapsed one is graded again."""
+    report: Mapped[dict | None] = mapped_column(JSONType)
+    """SWE-bench's report.json of the instance (envs.predictions.instance_report)."""
+    test_output: Mapped[str | None] = mapped_column(sa.Text)
+    """The whole log of the tests (SWE-bench's test_output.txt)."""
+    error: Mapped[str | None] = mapped_column(sa.Text)
+    graded_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))

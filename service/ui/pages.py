@@ -150,6 +150,36 @@ async def task_page(request: Request, session: SessionDep, answers: AnswersDep, 
     return _page(request, "task.html", task=task, validation=answers.validation(task.validation) or {})
 
 
+@router.get("/evaluations", response_class=HTMLResponse)
+async def evaluations_page(request: Request, session: SessionDep, limit: int = Query(100, ge=1, le=500)):
+    from service.api.routes.evaluations import list_evaluations
+
+    page = await list_evaluations(session, None, limit, 0)
+    return _page(request, "evaluations.html", evaluations=page["items"])
+
+
+@router.get("/evaluations/{evaluation_id}", response_class=HTMLResponse)
+async def evaluation_page(request: Request, session: SessionDep, evaluation_id: uuid.UUID,
+                          offset: int = Query(0, ge=0, le=2**31 - 1), limit: int = Query(200, ge=1, le=500)):  # fmt: skip
+    from service.api.routes.evaluations import list_instances, show_evaluation
+
+    evaluation = await show_evaluation(session, evaluation_id)
+    instances = await list_instances(session, evaluation_id, None, limit, offset)
+    return _page(request, "evaluation.html", e=evaluation, instances=instances["items"], offset=offset, limit=limit)
+
+
+@router.get("/evaluations/{evaluation_id}/instances/{instance_id:path}", response_class=HTMLResponse)
+async def evaluation_instance_page(request: Request, session: SessionDep, answers: AnswersDep,
+                                   evaluation_id: uuid.UUID, instance_id: str):  # fmt: skip
+    from service.api.routes.evaluations import instance_detail
+
+    i = await instance_detail(session, answers, evaluation_id, instance_id)
+    status = (i["report"] or {}).get(instance_id, {}).get("tests_status") or {}
+    report = {"fail_to_pass": status.get("FAIL_TO_PASS"), "pass_to_pass": status.get("PASS_TO_PASS")}
+    return _page(request, "evaluation_instance.html", i=i, evaluation_id=evaluation_id, tests=_tests(report),
+                 diff=diff_lines(i["model_patch"]))
+
+
 @router.post("/ui/token")
 async def remember_token(request: Request) -> RedirectResponse:
     """The header's form: a right token sets the answers cookie, anything else clears it; back to

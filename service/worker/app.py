@@ -81,3 +81,12 @@ def episode_sender(celery: Celery) -> Callable[[str], None]:
 
     return send
 
+
+
+def prediction_sender(celery: Celery) -> Callable[[str, str, int], None]:
+    """What an evaluation's owner calls to hand a prediction to the workers."""
+
+    def send(evaluation_id: str, instance_id: str, attempt: int) -> None:
+        celery.send_task("swerve.grade_prediction", args=[evaluation_id, instance_id, attempt], queue="swerve")
+
+    return send

@@ -44,6 +44,10 @@ class EpisodeRuntime:
 
         return asyncio.run_coroutine_threadsafe(execute_episode(self.engine, self.settings, episode_id), self.loop)
 
+    def call(self, fn, *args):
+        """Run fn(engine, settings, *args) on the shared loop; blocks the calling thread."""
+        return asyncio.run_coroutine_threadsafe(fn(self.engine, self.settings, *args), self.loop).result()
+
     def run(self, episode_id: uuid.UUID) -> str | None:
         """Run one episode on the shared loop; blocks the calling (pool) thread until it ends."""
         return self.submit(episode_id).result()

@@ -28,3 +28,17 @@ def episode(episode_id: str) -> str | None:
         return runtime().run(uuid.UUID(episode_id))
     except CancelledError:  # the process is shutting down: the episode's heartbeat lapses and it restarts
         return None
+
+
+@shared_task(name="swerve.grade_prediction", acks_late=True, reject_on_worker_lost=True)
+def grade_prediction(evaluation_id: str, instance_id: str, attempt: int) -> str | None:
+    """Grade one prediction of an evaluation (service.control.evaluations), this attempt only."""
+    from concurrent.futures import CancelledError
+
+    from service.worker.grading import grade_prediction as grade
+    from service.worker.runtime import runtime
+
+    try:
+        return runtime().call(grade, uuid.UUID(evaluation_id), instance_id, attempt)
+    except CancelledError:  # shutting down: the heartbeat lapses and the prediction is handed over again
+        return None

@@ -24,7 +24,8 @@ from service.api.schemas import (
     TaskSummary,
     ValidationStarted,
 )
-from service.store.tables import Run, Suite, Task, utcnow
+from service.control.evaluations import EVALUATION_ACTIVE
+from service.store.tables import Evaluation, Run, Suite, Task, utcnow
 from service.store.status import RUN_ACTIVE
 
 router = APIRouter(prefix="/suites", tags=["suites"])
@@ -151,13 +152,15 @@ async def show_validation(session: SessionDep, answers: AnswersDep, suite_id: uu
                responses={401: {"model": Problem}, 404: {"model": Problem},
                           409: {"model": Problem}})
 async def delete_suite(session: SessionDep, suite_id: uuid.UUID) -> Response:
-    """Delete a suite. Refused while a run uses it; kept hidden while finished runs refer to it."""
+    """Delete a suite. Refused while a run or an evaluation uses it; kept hidden while finished
+    ones refer to it."""
     suite = await live_suite(session, suite_id)
     runs = (await session.execute(sa.select(Run.id, Run.status).where(Run.suite_id == suite_id)))
-    runs = runs.all()
-    active = [str(r.id) for r in runs if r.status in RUN_ACTIVE]
+    runs = runs.all() + (await session.execute(sa.select(Evaluation.id, Evaluation.status)
+                                               .where(Evaluation.suite_id == suite_id))).all()
+    active = [str(r.id) for r in runs if r.status in RUN_ACTIVE + EVALUATION_ACTIVE]
     if active:
-        raise HTTPException(status_code=409, detail=f"suite is used by active run(s) "
+        raise HTTPException(status_code=409, detail=f"suite is used by active run(s) or evaluation(s) "
                             f"{', '.join(active[:5])}; cancel them first")
     if runs:
         suite.deleted_at = utcnow()  # finished runs keep their tasks and episodes
