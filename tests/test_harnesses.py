@@ -340,3 +340,25 @@ async def test_an_r2e_agent_cannot_reach_the_hidden_tests_or_forge_their_summary
     # printed past pytest's capture, to the runner's own output: a summary of the expected statuses
     report = await grade(task, r2e["forge"], config(tmp_path))
     assert report.resolution == "NO" and any(g["guard"] == "conflicting_results" for g in report.guards), report.log_tail
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+def test_validate_and_eval_take_both_rows_as_they_ship(smith, r2e, tmp_path):
+    from tests.test_cli import run_cli
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(smith["row"]) + "\n" + json.dumps(r2e["row"]) + "\n")
+    env = {"SWERVE_DATA_DIR": str(tmp_path / "var")}
+    done = run_cli(["suite", "validate", str(rows), "--backend", "docker", "--json"], env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [v["valid"] for v in json.loads(done.stdout)] == [True, True], done.stdout
+    tasks = [Task.model_validate(datasets.adapt(r)) for r in (smith["row"], r2e["row"])]
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text("".join(json.dumps({"instance_id": t.instance_id, "model_name_or_path": "m", "model_patch": p})
+                             + "\n" for t, p in zip(tasks, (tasks[0].patch, r2e["forge"]))))
+    done = run_cli(["eval", str(preds), "--suite", str(rows), "--backend", "docker", "--out", str(tmp_path / "out")],
+                   env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["resolved_ids"] == [tasks[0].instance_id] and report["unresolved_ids"] == [tasks[1].instance_id]
