@@ -69,6 +69,13 @@ class ImageSpec:
                               self.start, self.history, self.python if self.python_env() else False])
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
+    def env_key(self, backend: str, base: str = "") -> str:
+        """What the environment alone depends on (not where the agent starts): tasks of one
+        repository that share their setup commit, install and Python share it."""
+        payload = json.dumps([LAYOUT, "env", backend, base, self.source, self.commit, list(self.install),
+                              self.python if self.python_env() else False])
+        return "env-" + hashlib.sha256(payload.encode()).hexdigest()[:32]
+
 
 PYTHON_ENV_SCRIPT = r"""
 set -e
@@ -196,6 +203,12 @@ async def _make_python_env(sandbox, spec: ImageSpec) -> None:
 
 
 async def _run_install(sandbox, spec: ImageSpec) -> None:
+    await _install(sandbox, spec)
+    await cut_history(sandbox, spec.start or spec.commit, spec.history, spec.build_timeout_s)
+
+
+async def _install(sandbox, spec: ImageSpec) -> None:
+    """The environment: its Python environment, `install`, what install made told to git."""
     if spec.python_env():
         await _make_python_env(sandbox, spec)
     for i, command in enumerate(spec.install, 1):
@@ -207,7 +220,6 @@ async def _run_install(sandbox, spec: ImageSpec) -> None:
         result = await sandbox.execute(INSTALLED_SCRIPT, timeout_s=spec.build_timeout_s)
         if result.exit_code != 0:
             raise ImageBuildError("listing what install made", result.output)
-    await cut_history(sandbox, spec.start or spec.commit, spec.history, spec.build_timeout_s)
 
 
 async def cut_history(sandbox, start: str, history: str, timeout_s: float = 1800.0) -> None:
@@ -218,11 +230,29 @@ async def cut_history(sandbox, start: str, history: str, timeout_s: float = 1800
         raise ImageBuildError(f"history ({history}) at {start}", result.output)
 
 
-async def prepare_bwrap(spec: ImageSpec, cache_dir: Path) -> Path:
-    """The prepared folder for spec, building it if needed; use it as BwrapSandboxConfig.root."""
+def shares_env(spec: ImageSpec) -> bool:
+    """Whether the task image is made from a shared environment (built once per env_key): when
+    there is an environment to build. A checkout alone is as cheap to make as to copy."""
+    return spec.python_env()
+
+
+async def prepare_bwrap(spec: ImageSpec, cache_dir: Path, share_env: bool = True) -> Path:
+    """The prepared folder for spec, building it if needed; use it as BwrapSandboxConfig.root.
+    With an environment to build, it is built once per env_key and each task's folder copied
+    from it (reflinked where the filesystem can), then moved to the task's start."""
+    key = spec.key("bwrap")
+    final = cache_dir / key
+    if final.is_dir():
+        return final
+    env = await _bwrap_folder(spec, cache_dir, spec.env_key("bwrap"), env_only=True) \
+        if share_env and shares_env(spec) else None
+    return await _bwrap_folder(spec, cache_dir, key, from_env=env)
+
+
+async def _bwrap_folder(spec: ImageSpec, cache_dir: Path, key: str, env_only: bool = False,
+                        from_env: Path | None = None) -> Path:  # fmt: skip
     from sandboxes.config import BwrapSandboxConfig
 
-    key = spec.key("bwrap")
     final = cache_dir / key
     if final.is_dir():
         return final
@@ -234,14 +264,21 @@ async def prepare_bwrap(spec: ImageSpec, cache_dir: Path) -> Path:
         cache_dir.chmod(0o700)  # the sandboxes' host uid can never reach a task image
         Owner.me(spec.build_timeout_s + 600, kind="build").write(build)
         try:
-            await asyncio.to_thread(checkout, spec, build / "work")
-            await asyncio.to_thread(_own, build / "work", host_uid())
+            if from_env is None:
+                await asyncio.to_thread(checkout, spec, build / "work")
+                await asyncio.to_thread(_own, build / "work", host_uid())
+            else:
+                await asyncio.to_thread(subprocess.run, ["cp", "-a", "--reflink=auto", str(from_env), str(build / "work")],
+                                        check=True, capture_output=True)
             limits = SandboxLimits(network=spec.network, disk_mb=64, memory_mb=8192,
                                    pids=4096, command_timeout_s=spec.build_timeout_s)
             config = BwrapSandboxConfig(root=build / "work", writable_root=True, limits=limits,
                                         ro_binds=tuple(p for p in PIP_CONFIG_PATHS if os.path.exists(p)))
             async with _open(config) as sandbox:
-                await _run_install(sandbox, spec)
+                if from_env is None:
+                    await _install(sandbox, spec)
+                if not env_only:
+                    await cut_history(sandbox, spec.start or spec.commit, spec.history, spec.build_timeout_s)
             await asyncio.to_thread(_drop_privileged_bits, build / "work")
             (build / "work").rename(final)
         finally:
@@ -249,16 +286,28 @@ async def prepare_bwrap(spec: ImageSpec, cache_dir: Path) -> Path:
     return final
 
 
-async def prepare_docker(spec: ImageSpec, client=None) -> str:
-    """The image for spec (`swerve-env:<key>`), built from the base image if needed."""
-    from sandboxes.config import DockerSandboxConfig
+async def prepare_docker(spec: ImageSpec, client=None, share_env: bool = True) -> str:
+    """The image for spec (`swerve-env:<key>`), built from the base image if needed. With an
+    environment to build, it is built once per env_key (`swerve-env:env-<key>`) and each task's
+    image is a layer over it that moves the repository to the task's start."""
     from sandboxes.docker import docker_client
     from sandboxes.images import BASE_IMAGE, ensure_base_image
-    from sandboxes.reaper import state_root
 
     client = client or await asyncio.to_thread(docker_client)
     base = await asyncio.to_thread(ensure_base_image, client, BASE_IMAGE)
     key = spec.key("docker", base)
+    if await asyncio.to_thread(_has_image, client, f"swerve-env:{key}"):
+        return f"swerve-env:{key}"
+    env = await _docker_image(spec, client, spec.env_key("docker", base), env_only=True) \
+        if share_env and shares_env(spec) else None
+    return await _docker_image(spec, client, key, from_env=env)
+
+
+async def _docker_image(spec: ImageSpec, client, key: str, env_only: bool = False,
+                        from_env: str | None = None) -> str:  # fmt: skip
+    from sandboxes.config import DockerSandboxConfig
+    from sandboxes.reaper import state_root
+
     tag = f"swerve-env:{key}"
     if await asyncio.to_thread(_has_image, client, tag):
         return tag
@@ -269,13 +318,16 @@ async def prepare_docker(spec: ImageSpec, client=None) -> str:
         tmp.mkdir(parents=True)
         Owner.me(spec.build_timeout_s + 600, kind="build").write(tmp)
         try:
-            await asyncio.to_thread(checkout, spec, tmp / "work")
             limits = SandboxLimits(network=spec.network, memory_mb=8192, pids=4096,
                                    command_timeout_s=spec.build_timeout_s, lifetime_s=spec.build_timeout_s + 600)
-            async with _open(DockerSandboxConfig(limits=limits, episode=f"build:{key}")) as sandbox:
-                await asyncio.to_thread(_copy_in, sandbox.container, tmp / "work")
-                await asyncio.to_thread(_copy_host_index_config, sandbox.container)
-                await _run_install(sandbox, spec)
+            async with _open(DockerSandboxConfig(image=from_env, limits=limits, episode=f"build:{key}")) as sandbox:
+                if from_env is None:
+                    await asyncio.to_thread(checkout, spec, tmp / "work")
+                    await asyncio.to_thread(_copy_in, sandbox.container, tmp / "work")
+                    await asyncio.to_thread(_copy_host_index_config, sandbox.container)
+                    await _install(sandbox, spec)
+                if not env_only:
+                    await cut_history(sandbox, spec.start or spec.commit, spec.history, spec.build_timeout_s)
                 await asyncio.to_thread(sandbox.container.commit, repository="swerve-env", tag=key,
                                         changes=[f"LABEL swerve.env={key}"])
         finally:

@@ -56,6 +56,36 @@ async def test_environment_is_built_once_and_shared_copy_on_write(backend, tmp_p
         assert (configs[0].root / "lib.py").read_text() == "VALUE = 1\n"
 
 
+async def test_tasks_of_one_environment_share_its_build_and_start_where_each_starts(backend, tmp_path):
+    """Tasks of one repository with one setup commit and install (SWE-bench's (repo, version)):
+    install runs once; each task's image is that environment moved to its own start, with no
+    history after it, the install's products kept and told to git."""
+    first, second = git_repo(tmp_path / "repo")
+    install = ("echo build >> builds.txt; python3 -m venv .venv",)
+    specs = [ImageSpec(source=str(tmp_path / "repo"), commit=first, install=install, start=start)
+             for start in (first, second)]
+    configs = [await prepare(backend, spec, tmp_path / "images") for spec in specs]
+    assert len({c.root if backend == "bwrap" else c.image for c in configs}) == 2
+    for config, value, start in zip(configs, (1, 2), (first, second)):
+        async with open_sandbox(config) as sb:
+            r = await sb.execute("cat builds.txt lib.py; git log --format=%H; git status --porcelain; "
+                                 ".venv/bin/python -c 'print(3)'")
+            assert r.output.split() == ["build", "VALUE", "=", str(value), *([first] if value == 1 else [second, first]),
+                                        "3"], r.output
+    if backend == "bwrap":
+        envs = [p for p in (tmp_path / "images").iterdir() if p.name.startswith("env-")]
+        assert len(envs) == 1 and (envs[0] / "builds.txt").read_text() == "build\n"
+    else:
+        import docker
+
+        from sandboxes.images import BASE_IMAGE, ensure_base_image
+
+        client = docker.from_env()
+        env = client.images.get(f"swerve-env:{specs[0].env_key('docker', ensure_base_image(client, BASE_IMAGE))}")
+        for config in configs:  # each task's image is a layer over the one environment
+            assert env.id in {layer["Id"] for layer in client.api.history(config.image)}
+
+
 async def test_failed_install_names_the_step_and_leaves_nothing(backend, tmp_path):
     first, _ = git_repo(tmp_path / "repo")
     spec = ImageSpec(source=str(tmp_path / "repo"), commit=first,
