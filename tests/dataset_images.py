@@ -14,20 +14,7 @@ from envs.families import generate
 def image_with_repo(client, repo: Path, name: str, at: str = "/testbed") -> str:
     """`name`: the base image with `repo` (its whole history) at `at`, owned by root, as the
     datasets' images hold their repositories."""
-    from sandboxes.images import BASE_IMAGE, ensure_base_image
-
-    ensure_base_image(client, BASE_IMAGE)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(str(repo), arcname=at.strip("/"), filter=lambda t: (setattr(t, "uid", 0), setattr(t, "gid", 0), t)[-1])
-    box = client.containers.create(BASE_IMAGE, ["sleep", "infinity"])
-    try:
-        box.put_archive("/", buf.getvalue())
-        repository, tag = name.rsplit(":", 1) if ":" in name.rsplit("/", 1)[-1] else (name, "latest")
-        box.commit(repository=repository, tag=tag)
-    finally:
-        box.remove(force=True)
-    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+    return image_with(client, name, trees=[(at, repo)])
 
 
 def generated_task(tmp: Path, seed: int) -> tuple[dict, Path]:
