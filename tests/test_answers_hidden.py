@@ -40,7 +40,9 @@ WITHOUT_TOKEN = [{}, {"Authorization": "Bearer wrong-token"}, {"Authorization": 
 
 
 def record(i: int) -> dict:
-    return {
+    # the second also carries answers in fields of the datasets' own (SWE-smith's bug, R2E-Gym's commit)
+    extra = {"bug_patch": f"-x = '{GOLD}'\n+x = 0\n", "parsed_commit_content": json.dumps({"fix": GOLD})} if i else {}
+    return extra | {
         "instance_id": f"org__m-{i}", "repo": "org/m", "base_commit": "a" * 40,
         "problem_statement": "x must be right", "FAIL_TO_PASS": ["tests/test_m.py::test_x"],
         "PASS_TO_PASS": ["tests/test_m.py::test_keep"],
@@ -262,7 +264,9 @@ async def test_with_the_token_everything_is_shown(answers):
     client, headers = answers["client"], auth()
     for task_id in answers["task_id"]:
         task = (await client.get(f"/api/v1/tasks/{task_id}", headers=headers)).json()
-        assert GOLD in task["patch"] and HIDDEN in task["test_patch"]
+        assert GOLD in task["patch"] and HIDDEN in task["test_patch"] and task["redacted"] == []
+    assert any(GOLD in (t["extra"] or {}).get("bug_patch", "") for t in
+               [(await client.get(f"/api/v1/tasks/{i}", headers=headers)).json() for i in answers["task_id"]])
     oracle = answers["oracle_episodes"][0]
     detail = (await client.get(f"/api/v1/episodes/{oracle}", params={"arrays": "json"}, headers=headers)).json()
     assert GOLD in detail["turns"][0]["text"] and GOLD in detail["turns"][0]["tool_call"]["arguments"]["file_text"]

@@ -103,6 +103,8 @@ class TaskPublic(_TaskIdentity):
     """False when the caller had no token: `patch` and `test_patch` are then null."""
     patch: str | None
     test_patch: str | None
+    redacted: list[str] = []
+    """The fields of `extra` withheld without the token (`extra.NAME`: they carry the answers)."""
 
 
 class ValidationIssue(BaseModel):

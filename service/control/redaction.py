@@ -1,5 +1,5 @@
 """The hidden answers and what a caller without the API token sees of them: gold patches and
-hidden tests (`patch`, `test_patch`), grading log tails and harness messages, validation logs,
+hidden tests (`patch`, `test_patch`, and the task fields that carry them: EXTRA_ANSWERS), grading log tails and harness messages, validation logs,
 and everything an oracle episode recorded (it applies the gold patch): its turns' text, tool
 calls, observations, tokens, diff. A withheld field is null and named in its object's
 `redacted` list. Every route and page redacts through `Answers`."""
@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 REDACTED = "redacted: needs the API token"
+EXTRA_ANSWERS = ("bug_patch", "eval_script", "parsed_commit_content", "execution_result_content")
+"""Fields of a task beside `patch` and `test_patch` that hold its answers: SWE-smith's bug (the
+fix reversed), SWE-bench 5's eval script (the hidden tests inline), R2E-Gym's parsed commit (the
+fix) and recorded runs (the hidden tests' code and logs)."""
 REPORT_SHOWN = ("resolution", "fail_to_pass", "pass_to_pass", "test_exit_code", "duration_s", "guards")
 """A grading report's fields anyone may see: the verdict and the named tests' outcomes."""
 TURN_ANSWERS = ("text", "tool_call", "observation",
@@ -38,9 +42,13 @@ class Answers:
     def hides_turns(self, oracle: bool) -> bool:
         return oracle and not self.shown
 
-    def task(self, patch: str | None, test_patch: str | None) -> dict:
+    def task(self, patch: str | None, test_patch: str | None, extra: dict | None = None) -> dict:
+        """A task's answers, and its other fields (`extra`) with those that carry them withheld."""
+        hidden = [] if self.shown else [k for k in EXTRA_ANSWERS if (extra or {}).get(k) not in (None, "", [], {})]
         return {"answers_included": self.shown, "patch": patch if self.shown else None,
-                "test_patch": test_patch if self.shown else None}
+                "test_patch": test_patch if self.shown else None,
+                "extra": None if extra is None else {k: None if k in hidden else v for k, v in extra.items()},
+                "redacted": [f"extra.{k}" for k in hidden]}
 
     def report(self, report: dict | None) -> dict | None:
         if self.shown or report is None:

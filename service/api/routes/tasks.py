@@ -35,5 +35,5 @@ async def show_task(session: SessionDep, task_id: uuid.UUID, answers: AnswersDep
         environment_setup_commit=task.environment_setup_commit, hints_text=task.hints_text,
         created_at=task.task_created_at, source=task.source, image=task.image,
         install=task.install, test_cmd=task.test_cmd, log_parser=task.log_parser,
-        extra=task.extra, **answers.task(task.patch, task.test_patch),
+        **answers.task(task.patch, task.test_patch, task.extra),
     )  # fmt: skip
