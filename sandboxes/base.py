@@ -53,7 +53,7 @@ class Sandbox(Protocol):
 
 
 class SandboxLimits(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     memory_mb: int = Field(4096, ge=16)
     """Memory for all processes together (MiB); exceeding it kills the offender (exit 137)."""

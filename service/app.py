@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from service.store import db
@@ -53,11 +56,40 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, suites, tasks, runs, evaluations):
         app.include_router(module.router, prefix="/api/v1")
     _add_error_handlers(app)
+    app.add_middleware(RefuseNul)
 
     from service import ui
 
     ui.mount(app)
     return app
+
+
+class RefuseNul:
+    """A NUL byte in the path or the query string is refused (422, naming where) before any
+    route: no database stores one in text, and Postgres would answer the query with an error."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            from urllib.parse import parse_qsl
+
+            loc = None
+            if b"%00" in scope.get("raw_path", b"").lower() or "\x00" in scope.get("path", ""):
+                loc = ["path"]
+            else:
+                query = scope.get("query_string", b"").decode("latin-1")
+                loc = next((["query", k.replace("\x00", "")] for k, v in parse_qsl(query, keep_blank_values=True)
+                            if "\x00" in k or "\x00" in v), None)
+            if loc is not None:  # FastAPI's shape for a bad parameter
+                where = "the path" if loc == ["path"] else f"query parameter {loc[1]!r}"
+                response = JSONResponse({"detail": [{"type": "nul_byte", "loc": loc,
+                                                     "msg": f"{where} holds a NUL byte (%00); remove it"}]},
+                                        status_code=422)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _supervisor(app: FastAPI, settings: Settings):
@@ -80,7 +112,24 @@ ERROR_STATUS = {UploadTooLarge: 413, NotFound: 404, TokenizerUnavailable: 409, S
 """The control plane's errors and the HTTP status each answers with ({"detail": message})."""
 
 
+def _finite(value):
+    """A value as JSON can carry it: a float that is not finite becomes its name ("inf", "nan")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer echoes the input, which JSON cannot carry when it is NaN or Infinity
+        return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors(), custom_encoder={float: lambda f: f}))},
+                            status_code=422)
+
     @app.exception_handler(SuiteRejected)
     async def _rejected(_: Request, exc: SuiteRejected) -> JSONResponse:
         return JSONResponse(exc.to_json(), status_code=422)

@@ -27,12 +27,11 @@ async def select_tasks(conn: AsyncConnection, suite_id: uuid.UUID, instance_ids:
     suite = (await conn.execute(sa.select(Suite).where(Suite.id == suite_id, Suite.deleted_at.is_(None)))).first()
     if suite is None:
         raise RunError(f"{field}suite_id: suite {suite_id} not found")
-    query = sa.select(Task.id, Task.instance_id).where(Task.suite_id == suite_id).order_by(Task.position)
-    if instance_ids is not None:
-        query = query.where(Task.instance_id.in_(instance_ids))
-    if repos is not None:
-        query = query.where(Task.repo.in_(repos))
-    tasks = (await conn.execute(query)).all()
+    # filtered here, not by IN (...): a filter of any length is one query (bind parameters are few)
+    query = sa.select(Task.id, Task.instance_id, Task.repo).where(Task.suite_id == suite_id).order_by(Task.position)
+    wanted, kept_repos = set(instance_ids or ()), set(repos or ())
+    tasks = [t for t in (await conn.execute(query)).all()
+             if (instance_ids is None or t.instance_id in wanted) and (repos is None or t.repo in kept_repos)]
     if not tasks:
         raise RunError(f"{field}instance_ids/{field}repos: no task of the suite matches the filters")
     if instance_ids is not None and len(tasks) != len(set(instance_ids)):

@@ -19,7 +19,7 @@ from service.worker.agent import AgentConfig
 class OracleSamplerConfig(BaseModel):
     """Scripted: applies each task's gold patch through the tools (harness checks; not trainable)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["oracle"] = "oracle"
     tokenizer: Path
     """Model folder whose tokenizer and chat template render the episode."""
@@ -30,13 +30,13 @@ class DemoSamplerConfig(BaseModel):
     gold patch (view the file, str_replace the changed lines, submit): the trajectories SFT
     warm-starts a policy on (not trainable as samples of a policy; an SFT trainer takes them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["demo"] = "demo"
     tokenizer: Path
 
 
 class VLLMSamplerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["vllm"] = "vllm"
     endpoints: list[str] = Field(min_length=1)
     """Base URLs of the vLLM servers."""
@@ -49,7 +49,7 @@ class VLLMSamplerConfig(BaseModel):
 class ReplaySamplerConfig(BaseModel):
     """Scripted: replays the same tool calls on every task (pipeline checks, load tests)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     type: Literal["replay"] = "replay"
     tokenizer: Path
     calls: list[dict] = Field(min_length=1)
@@ -67,7 +67,7 @@ class FilterConfig(BaseModel):
     solve-all / solve-none filters do it: a task whose recent groups all solved every sample
     (or none) is passed over, with a chance to try it again. Off by default."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     skip_solved: bool = False
     """Pass over tasks every sample of whose recent groups was rewarded."""
     skip_unsolved: bool = False
@@ -84,14 +84,14 @@ class EvalConfig(BaseModel):
     """Evaluation while training: at version 0, every `every` versions and at the last one, a
     run over a held-out suite (never trained on) with the policy version it evaluates."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     suite_id: uuid.UUID
     every: int = Field(1, ge=1)
     """Policy versions between evaluations."""
     samples_per_task: int = Field(4, ge=1, le=1024)
     """n: pass@1 is averaged over n samples per task, pass@k is reported for k = n."""
-    instance_ids: list[str] | None = None
-    repos: list[str] | None = None
+    instance_ids: list[Annotated[str, Field(max_length=256)]] | None = Field(None, max_length=100_000)
+    repos: list[Annotated[str, Field(max_length=256)]] | None = Field(None, max_length=100_000)
     max_turns: int | None = Field(None, ge=1)
     """None: the training run's."""
     sampling: SamplingParams | None = None
@@ -107,7 +107,7 @@ class TrainingConfig(BaseModel):
     over the suite in an order shuffled per epoch, until the trainer reaches `steps` or the
     schedule (epochs, max_groups) is done."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     steps: int = Field(ge=1)
     """The trainer's last step: the run ends once it published that version (and evaluated it)."""
     epochs: int | None = Field(None, ge=1)
@@ -121,10 +121,10 @@ class TrainingConfig(BaseModel):
 
 
 class RunConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     suite_id: uuid.UUID
-    name: str | None = Field(None, max_length=200)
+    name: str | None = Field(None, max_length=200, pattern=r"^[^\x00-\x1f]*$")
     sampler: SamplerConfig
     """What samples the episodes: the vLLM fleet (trainable) or a scripted sampler (not)."""
     samples_per_task: int = Field(1, ge=1, le=1024)
@@ -147,9 +147,9 @@ class RunConfig(BaseModel):
     been lost with a broker restart); a duplicate message is harmless."""
     max_consecutive_failures: int = Field(10, ge=1)
     """Stop the run after this many sandbox, provider or storage errors in a row."""
-    instance_ids: list[str] | None = None
+    instance_ids: list[Annotated[str, Field(max_length=256)]] | None = Field(None, max_length=100_000)
     """Only these tasks (None: all)."""
-    repos: list[str] | None = None
+    repos: list[Annotated[str, Field(max_length=256)]] | None = Field(None, max_length=100_000)
     """Only tasks of these repositories (None: all)."""
     partial_credit: bool = False
     integrity: IntegrityMode = "revert"

@@ -82,8 +82,10 @@ async def cancel_run(session: SessionDep, run_id: uuid.UUID) -> dict:
 
 @router.get("/runs/{run_id}/episodes", response_model=Page[EpisodePublic], responses=NOT_FOUND)
 async def list_episodes(session: SessionDep, answers: AnswersDep, run_id: uuid.UUID, status: str | None = None,
-                        task: str | None = None, min_reward: float | None = None,
-                        policy_version: int | None = None, limit: Limit = 100, offset: Offset = 0) -> dict:
+                        task: Annotated[str | None, Query(max_length=256)] = None,
+                        min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+                        policy_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                        limit: Limit = 100, offset: Offset = 0) -> dict:
     return await views.list_episodes(session, answers, run_id, status=status, task=task, min_reward=min_reward,
                                      policy_version=policy_version, limit=limit, offset=offset)
 
