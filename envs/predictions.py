@@ -57,6 +57,8 @@ def parse_predictions(text: str, path: str, as_json: bool) -> list[Prediction]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise PredictionsError(f"{path}: not JSON ({e}); write a list of predictions or JSON Lines (.jsonl)") from e
+        except RecursionError as e:
+            raise PredictionsError(f"{path}: nested too deeply to be predictions; write a list of objects") from e
         items = list(data.values()) if isinstance(data, dict) else data
         if not isinstance(items, list):
             raise PredictionsError(f"{path}: a JSON predictions file holds a list or an object of predictions")
@@ -69,6 +71,8 @@ def parse_predictions(text: str, path: str, as_json: bool) -> list[Prediction]:
                 rows.append((f"line {n}", json.loads(line)))
             except json.JSONDecodeError as e:
                 raise PredictionsError(f"{path}:{n}: not JSON ({e.msg})") from e
+            except RecursionError as e:
+                raise PredictionsError(f"{path}:{n}: nested too deeply to be a prediction") from e
     out, seen = [], set()
     for where, row in rows:
         if not isinstance(row, dict):

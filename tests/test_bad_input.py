@@ -64,3 +64,18 @@ async def test_integers_past_their_column_and_long_filters_are_4xx(app_client, s
     config = {"suite_id": suite_id, "sampler": sampler, "instance_ids": ["o__r-1"] + [f"x{i}" for i in range(70_000)]}
     r = await app_client.post("/api/v1/runs", json=config, headers=auth())
     assert r.status_code == 422 and "instance_ids: not in the suite" in r.text, r.text[:300]
+
+
+async def test_deeply_nested_json_is_refused_not_a_500(app_client):
+    deep = "[" * 5000 + "]" * 5000
+    r = await app_client.post("/api/v1/suites", params={"name": "deep"}, content=deep,
+                              headers=auth() | {"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text[:300]
+    suite_id = await suite(app_client)
+    r = await app_client.post("/api/v1/evaluations", params={"suite_id": suite_id, "run_id": "deep"}, content=deep,
+                              headers=auth() | {"Content-Type": "application/json"})
+    assert r.status_code == 422 and "predictions" in r.text, r.text[:300]
+    line = '{"instance_id": "o__r-1", "model_name_or_path": "m", "model_patch": ' + deep + "}"
+    r = await app_client.post("/api/v1/evaluations", params={"suite_id": suite_id, "run_id": "deep2"}, content=line,
+                              headers=auth() | {"Content-Type": "application/x-ndjson"})
+    assert r.status_code == 422 and "predictions" in r.text, r.text[:300]
