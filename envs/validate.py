@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from envs.grading import GradingReport, RewardError
@@ -48,11 +49,19 @@ async def validate_task(task: Task, cfg: SWEEnvConfig) -> ValidationResult:
                             "; ".join(problems) or None)
 
 
-async def validate_suite(tasks: list[Task], cfg: SWEEnvConfig, concurrency: int = 4) -> list[ValidationResult]:
+async def validate_suite(tasks: list[Task], cfg: SWEEnvConfig, concurrency: int = 4,
+                         progress: Callable[[ValidationResult, int, int], None] | None = None) -> list[ValidationResult]:  # fmt: skip
+    """Validate every task, `concurrency` at once; `progress(result, done, total)` as each ends."""
     gate = asyncio.Semaphore(concurrency)
+    done = 0
 
     async def one(task: Task) -> ValidationResult:
+        nonlocal done
         async with gate:
-            return await validate_task(task, cfg)
+            result = await validate_task(task, cfg)
+        done += 1
+        if progress:
+            progress(result, done, len(tasks))
+        return result
 
     return list(await asyncio.gather(*(one(t) for t in tasks)))

@@ -490,18 +490,27 @@ def suite_validate(
         tasks = [t for t in tasks if t.instance_id in only]
     cfg = SWEEnvConfig(backend=backend, image_cache_dir=settings.data_dir / "images",
                        bundle_dirs=(file.parent / "bundles", settings.data_dir / "bundles"))
-    results = asyncio.run(validate_suite(tasks, cfg, concurrency))
+    def said(r, done: int, total: int) -> None:
+        verdict = "valid" if r.valid else f"NOT valid: {r.error}"
+        typer.echo(f"[{done}/{total}] {r.instance_id}: {verdict} (gold {r.gold_s:.1f} s, empty {r.empty_s:.1f} s)",
+                   err=True)
+
+    typer.echo(f"validating {len(tasks)} task(s), {concurrency} at once: each environment is built first "
+               "(minutes for a large install), then the gold and the empty patch are graded", err=True)
+    results = asyncio.run(validate_suite(tasks, cfg, concurrency, progress=said))
     if as_json:
         json.dump([r.to_json() for r in results], sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         table = Table(title=f"{file.name}: {sum(r.valid for r in results)}/{len(results)} valid")
         for column in ("instance", "valid", "gold", "empty", "gold s", "empty s", "problem"):
-            table.add_column(column)
+            table.add_column(column, no_wrap=column == "instance", overflow="fold")
         for r in results:
             table.add_row(r.instance_id, "yes" if r.valid else "NO", (r.gold or {}).get("resolution", "-"),
                           (r.empty or {}).get("resolution", "-"), f"{r.gold_s:.2f}", f"{r.empty_s:.2f}", r.error or "")
-        Console().print(table)
+        console = Console()
+        widest = max((len(r.instance_id) for r in results), default=8) + 60  # an instance id is never cut
+        (console if console.width >= widest else Console(width=widest)).print(table)
     if not all(r.valid for r in results):
         raise typer.Exit(1)
 

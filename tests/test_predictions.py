@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,17 @@ def test_an_imported_suite_is_named_instead_of_a_file(tmp_path):
     assert all(t.split(" ")[0] in log for t in ROWS[0]["FAIL_TO_PASS"] + ROWS[0]["PASS_TO_PASS"]), log[-2000:]
     done = run_cli(["eval", str(preds), "--suite", "no-such-suite"], env)
     assert done.returncode == 2 and "neither a file nor an imported suite" in done.stderr
+
+
+def test_suite_validate_says_how_far_it_is_and_never_cuts_an_id(tmp_path):
+    require_bwrap()
+    rows = [r | {"instance_id": r["instance_id"] + "-with-a-name-long-enough-to-be-cut-at-eighty-columns"}
+            for r in ROWS[:2]]
+    suite = write(tmp_path / "suite.jsonl", rows)
+    shutil.copytree(SUITE.parent / "bundles", tmp_path / "bundles")
+    done = run_cli(["suite", "validate", str(suite)], {"SWERVE_DATA_DIR": str(tmp_path / "var"), "COLUMNS": "80"},
+                   timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert [line.split()[0] for line in said] == ["[1/2]", "[2/2]"] and all("valid" in line for line in said), done.stderr
+    assert all(r["instance_id"] in done.stdout for r in rows), done.stdout
