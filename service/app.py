@@ -41,7 +41,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.supervisor.run_in_background()  # runs left active by a dead process are taken over
         app.state.evaluations = _evaluations(app, settings)
         app.state.evaluations.run_in_background()
+        from service.control.validation import ValidationSupervisor
+
+        app.state.validations = ValidationSupervisor(app.state.engine, settings, app.state.supervisor.owner,
+                                                     lease_s=settings.orchestrator_lease_s)
+        app.state.validations.run_in_background()  # validations left running by a dead process are taken over
         yield
+        await app.state.validations.close()
         await app.state.evaluations.close()
         await app.state.supervisor.close()
         if app.state.worker is not None:

@@ -209,3 +209,38 @@ async def test_api_validates_a_suite_in_the_background(db_url, tmp_path):
             await asyncio.sleep(0.2)
     assert state["status"] == "done"
     assert [(r["valid"], r["gold"], r["empty"]) for r in state["results"]] == [(True, "FULL", "NO")] * 2
+
+
+async def test_a_validation_whose_process_died_is_taken_over_and_ends(db_url, tmp_path):
+    import asyncio
+    import uuid
+    from datetime import timedelta
+
+    import sqlalchemy as sa
+
+    from service.store import db
+    from service.store.tables import Suite, utcnow
+    from tests.conftest import auth, client_for, make_settings
+
+    body = "\n".join(SUITE.read_text().splitlines()[:1]) + "\n"
+    settings = make_settings(db_url, data_dir=tmp_path, orchestrator_lease_s=2.0)
+    async with client_for(settings) as client:
+        suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
+                                   headers={"Content-Type": "application/x-ndjson", **auth()})).json()
+    engine = db.make_async_engine(db_url)
+    try:  # a process started validating it and died: its status says running, its heartbeat is old
+        async with engine.begin() as conn:
+            await conn.execute(sa.update(Suite).where(Suite.id == uuid.UUID(suite["id"])).values(
+                validation_status="running", validation_owner="dead:1:x",
+                validation_heartbeat_at=utcnow() - timedelta(hours=1)))
+    finally:
+        await engine.dispose()
+    async with client_for(settings) as client:
+        url = f"/api/v1/suites/{suite['id']}"
+        for _ in range(600):
+            state = (await client.get(f"{url}/validation")).json()
+            if state["status"] != "running":
+                break
+            await asyncio.sleep(0.2)
+        assert state["status"] == "done" and [r["valid"] for r in state["results"]] == [True], state
+        assert (await client.post(f"{url}/validate", headers=auth())).status_code == 202  # and again, at will

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+from datetime import timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -23,9 +25,34 @@ def env_config(settings: Settings) -> SWEEnvConfig:
                         bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
 
 
-async def run_suite_validation(engine: AsyncEngine, settings: Settings, suite_id: uuid.UUID) -> None:
-    """Validate every task of a suite, one at a time, storing each result as it comes."""
+async def claim_validation(engine: AsyncEngine, suite_id: uuid.UUID, owner: str, lease_s: float) -> bool:
+    """Start (or take over) the suite's validation for `owner`: refused while another process's
+    validation of it is alive (its heartbeat within the lease)."""
+    now = utcnow()
+    async with engine.begin() as conn:
+        taken = await conn.execute(sa.update(Suite).where(
+            Suite.id == suite_id, Suite.deleted_at.is_(None),
+            sa.or_(Suite.validation_status.is_distinct_from("running"), Suite.validation_owner.is_(None),
+                   Suite.validation_heartbeat_at.is_(None),
+                   Suite.validation_heartbeat_at < now - timedelta(seconds=lease_s)),
+        ).values(validation_status="running", validation_owner=owner, validation_heartbeat_at=now))
+    return taken.rowcount == 1
+
+
+async def run_suite_validation(engine: AsyncEngine, settings: Settings, suite_id: uuid.UUID, owner: str,
+                               lease_s: float) -> None:  # fmt: skip
+    """Validate every task of a suite, one at a time, storing each result as it comes, the
+    lease renewed all along; it stops when another process has taken the validation over."""
     cfg = env_config(settings)
+    mine = (Suite.id == suite_id, Suite.validation_owner == owner, Suite.validation_status == "running")
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            async with engine.begin() as conn:
+                await conn.execute(sa.update(Suite).where(*mine).values(validation_heartbeat_at=utcnow()))
+
+    heart = asyncio.create_task(beat())
     try:
         async with engine.connect() as conn:
             rows = (await conn.execute(sa.select(Task).where(Task.suite_id == suite_id)
@@ -33,11 +60,68 @@ async def run_suite_validation(engine: AsyncEngine, settings: Settings, suite_id
         for row in rows:
             result = await validate_task(task_from_row(row), cfg)
             async with engine.begin() as conn:
+                if (await conn.execute(sa.select(Suite.id).where(*mine))).first() is None:
+                    return  # taken over (this process was thought dead): the new owner validates
                 await conn.execute(sa.update(Task).where(Task.id == row.id).values(validation=storable(result.to_json())))
         status = "done"
     except Exception:
         logger.exception("validation of suite %s failed", suite_id)
         status = "failed"
+    finally:
+        heart.cancel()
     async with engine.begin() as conn:
-        await conn.execute(sa.update(Suite).where(Suite.id == suite_id)
-                           .values(validation_status=status, validated_at=utcnow()))
+        await conn.execute(sa.update(Suite).where(*mine).values(
+            validation_status=status, validated_at=utcnow(), validation_owner=None, validation_heartbeat_at=None))
+
+
+class ValidationSupervisor:
+    """Takes over, in this process, every validation whose owner stopped renewing its lease
+    (its process died): a validation always ends, and a new one is never refused for a dead one."""
+
+    def __init__(self, engine: AsyncEngine, settings: Settings, owner: str, *, lease_s: float = 15.0,
+                 scan_s: float = 2.0):  # fmt: skip
+        self.engine, self.settings, self.owner, self.lease_s, self.scan_s = engine, settings, owner, lease_s, scan_s
+        self.jobs: dict[uuid.UUID, asyncio.Task] = {}
+        self._scanner: asyncio.Task | None = None
+
+    def start(self, suite_id: uuid.UUID) -> None:
+        """Run a validation this process has claimed."""
+        job = self.jobs.get(suite_id)
+        if job is None or job.done():
+            self.jobs[suite_id] = asyncio.get_running_loop().create_task(
+                run_suite_validation(self.engine, self.settings, suite_id, self.owner, self.lease_s))
+
+    async def scan(self) -> None:
+        lapsed = utcnow() - timedelta(seconds=self.lease_s)
+        async with self.engine.connect() as conn:
+            orphans = (await conn.execute(sa.select(Suite.id).where(
+                Suite.validation_status == "running", Suite.deleted_at.is_(None),
+                sa.or_(Suite.validation_owner.is_(None), Suite.validation_heartbeat_at.is_(None),
+                       Suite.validation_heartbeat_at < lapsed)))).scalars().all()
+        for suite_id in orphans:
+            if await claim_validation(self.engine, suite_id, self.owner, self.lease_s):
+                self.start(suite_id)
+
+    async def _scan_forever(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except Exception:
+                logger.exception("validation scan failed")
+            await asyncio.sleep(self.scan_s)
+
+    def run_in_background(self) -> None:
+        self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
+
+    async def close(self) -> None:
+        """Stop this process's validations and give them up, so another takes them over at once."""
+        jobs = [j for j in (self._scanner, *self.jobs.values()) if j is not None]
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(sa.update(Suite).where(Suite.validation_owner == self.owner)
+                                   .values(validation_owner=None))
+        except Exception:
+            logger.exception("could not release validations owned by %s", self.owner)

@@ -59,6 +59,9 @@ class Suite(Base):
     validation_status: Mapped[str | None] = mapped_column(sa.String(16))
     """None (never validated), running, done or failed."""
     validated_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    validation_owner: Mapped[str | None] = mapped_column(sa.String(200))
+    """The process running the validation; another takes it over when its heartbeat lapses."""
+    validation_heartbeat_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
 
 
 class Task(Base):

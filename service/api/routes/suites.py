@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Annotated, Literal
 
@@ -120,19 +119,16 @@ async def list_suite_tasks(
 
 @router.post("/{suite_id}/validate", status_code=202, dependencies=TOKEN_REQUIRED, response_model=ValidationStarted,
              responses={401: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem}})
-async def validate_suite(request: Request, session: SessionDep, engine: EngineDep,
-                         settings: SettingsDep, suite_id: uuid.UUID) -> dict:
-    """Start validating every task (gold patch FULL, empty patch failing) in the background."""
-    from service.control.validation import run_suite_validation
+async def validate_suite(request: Request, session: SessionDep, engine: EngineDep, suite_id: uuid.UUID) -> dict:
+    """Start validating every task (gold patch FULL, empty patch failing) in the background. The
+    validation holds a lease: one whose process died is taken over, never left running."""
+    from service.control.validation import claim_validation
 
-    suite = await live_suite(session, suite_id)
-    if suite.validation_status == "running":
+    await live_suite(session, suite_id)
+    validations = request.app.state.validations
+    if not await claim_validation(engine, suite_id, validations.owner, validations.lease_s):
         raise HTTPException(status_code=409, detail="a validation of this suite is already running")
-    suite.validation_status = "running"
-    await session.commit()
-    job = asyncio.get_running_loop().create_task(run_suite_validation(engine, settings, suite_id))
-    request.app.state.background.add(job)
-    job.add_done_callback(request.app.state.background.discard)
+    validations.start(suite_id)
     return {"status": "running", "results": f"/api/v1/suites/{suite_id}/validation"}
 
 
