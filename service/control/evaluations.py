@@ -23,6 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from envs.predictions import Prediction, PredictionsError, make_run_report
+from service.control.leases import LeaseSupervisor
 from service.store.tables import Evaluation, EvaluationInstance, Suite, Task, utcnow
 from service.worker.grading import EVALUATION_ACTIVE, EvaluationConfig
 
@@ -154,15 +155,16 @@ async def own(engine: AsyncEngine, evaluation_id: uuid.UUID, submit, owner: str,
         await asyncio.sleep(poll_s)
 
 
-class EvaluationSupervisor:
+class EvaluationSupervisor(LeaseSupervisor):
     """Owns every running evaluation without a live owner, in this process."""
+
+    what = "evaluations"
 
     def __init__(self, engine: AsyncEngine, submit: Callable[[str, str, int], None], owner: str, *,
                  lease_s: float = 15.0, poll_s: float = 1.0, scan_s: float = 2.0):  # fmt: skip
+        super().__init__(scan_s)
         self.engine, self.submit, self.owner = engine, submit, owner
-        self.lease_s, self.poll_s, self.scan_s = lease_s, poll_s, scan_s
-        self.jobs: dict[uuid.UUID, asyncio.Task] = {}
-        self._scanner: asyncio.Task | None = None
+        self.lease_s, self.poll_s = lease_s, poll_s
 
     async def scan(self) -> None:
         now = utcnow()
@@ -177,27 +179,8 @@ class EvaluationSupervisor:
                 self.jobs[evaluation_id] = asyncio.get_running_loop().create_task(
                     own(self.engine, evaluation_id, self.submit, self.owner, self.lease_s, self.poll_s))
 
-    async def _scan_forever(self) -> None:
-        while True:
-            try:
-                await self.scan()
-            except Exception:
-                logger.exception("evaluation scan failed")
-            await asyncio.sleep(self.scan_s)
-
-    def run_in_background(self) -> None:
-        self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
-
-    async def close(self) -> None:
-        jobs = [j for j in (self._scanner, *self.jobs.values()) if j is not None]
-        for job in jobs:
-            job.cancel()
-        await asyncio.gather(*jobs, return_exceptions=True)
-        try:
-            async with self.engine.begin() as conn:
-                await conn.execute(sa.update(Evaluation).where(Evaluation.owner == self.owner).values(owner=None))
-        except Exception:
-            logger.exception("could not release evaluations owned by %s", self.owner)
+    async def release(self, conn) -> None:
+        await conn.execute(sa.update(Evaluation).where(Evaluation.owner == self.owner).values(owner=None))
 
 
 async def live_evaluation(conn, evaluation_id: uuid.UUID):

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnvConfig
 from envs.validate import validate_task
+from service.control.leases import LeaseSupervisor
 from service.store.buffer import storable
 from service.config import Settings
 from service.store.tasks import task_from_row
@@ -74,15 +75,16 @@ async def run_suite_validation(engine: AsyncEngine, settings: Settings, suite_id
             validation_status=status, validated_at=utcnow(), validation_owner=None, validation_heartbeat_at=None))
 
 
-class ValidationSupervisor:
+class ValidationSupervisor(LeaseSupervisor):
     """Takes over, in this process, every validation whose owner stopped renewing its lease
     (its process died): a validation always ends, and a new one is never refused for a dead one."""
 
+    what = "validations"
+
     def __init__(self, engine: AsyncEngine, settings: Settings, owner: str, *, lease_s: float = 15.0,
                  scan_s: float = 2.0):  # fmt: skip
-        self.engine, self.settings, self.owner, self.lease_s, self.scan_s = engine, settings, owner, lease_s, scan_s
-        self.jobs: dict[uuid.UUID, asyncio.Task] = {}
-        self._scanner: asyncio.Task | None = None
+        super().__init__(scan_s)
+        self.engine, self.settings, self.owner, self.lease_s = engine, settings, owner, lease_s
 
     def start(self, suite_id: uuid.UUID) -> None:
         """Run a validation this process has claimed."""
@@ -102,26 +104,5 @@ class ValidationSupervisor:
             if await claim_validation(self.engine, suite_id, self.owner, self.lease_s):
                 self.start(suite_id)
 
-    async def _scan_forever(self) -> None:
-        while True:
-            try:
-                await self.scan()
-            except Exception:
-                logger.exception("validation scan failed")
-            await asyncio.sleep(self.scan_s)
-
-    def run_in_background(self) -> None:
-        self._scanner = asyncio.get_running_loop().create_task(self._scan_forever())
-
-    async def close(self) -> None:
-        """Stop this process's validations and give them up, so another takes them over at once."""
-        jobs = [j for j in (self._scanner, *self.jobs.values()) if j is not None]
-        for job in jobs:
-            job.cancel()
-        await asyncio.gather(*jobs, return_exceptions=True)
-        try:
-            async with self.engine.begin() as conn:
-                await conn.execute(sa.update(Suite).where(Suite.validation_owner == self.owner)
-                                   .values(validation_owner=None))
-        except Exception:
-            logger.exception("could not release validations owned by %s", self.owner)
+    async def release(self, conn) -> None:
+        await conn.execute(sa.update(Suite).where(Suite.validation_owner == self.owner).values(validation_owner=None))
