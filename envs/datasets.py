@@ -74,14 +74,7 @@ def _swe_rebench(row: dict) -> dict:
     if "install_config" not in row:
         raise DatasetRowError("install_config", "install_config: missing; a SWE-rebench row carries its "
                                                 "test_cmd, log_parser and install there")
-    config = row["install_config"]
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise DatasetRowError("install_config", f"install_config: not JSON ({e.msg})") from e
-    if not isinstance(config, dict):
-        raise DatasetRowError("install_config", "install_config: must be an object with test_cmd and log_parser")
+    config = _json_field(row, "install_config", dict, "an object with test_cmd and log_parser")
     test_cmd = config.get("test_cmd")
     if isinstance(test_cmd, list):
         test_cmd = "\n".join(str(c) for c in test_cmd)  # run in order, as SWE-rebench runs them
@@ -114,7 +107,8 @@ def swe_smith_image(mirror: str, arch: str = "x86_64") -> str | None:
     return f"jyangballin/swesmith.{arch}.{m['owner']}_1776_{m['name']}.{m['commit']}".lower()
 
 
-def _json_field(row: dict, field: str, kind: type) -> Any:
+def _json_field(row: dict, field: str, kind: type, want: str | None = None) -> Any:
+    """`row[field]` as `kind`, decoded when the dataset ships it as a JSON string."""
     value = row.get(field)
     if isinstance(value, str):
         try:
@@ -122,7 +116,8 @@ def _json_field(row: dict, field: str, kind: type) -> Any:
         except json.JSONDecodeError as e:
             raise DatasetRowError(field, f"{field}: not JSON ({e.msg})") from e
     if not isinstance(value, kind):
-        raise DatasetRowError(field, f"{field}: missing or not a JSON {kind.__name__}")
+        raise DatasetRowError(field, f"{field}: must be {want}" if want else
+                              f"{field}: missing or not a JSON {kind.__name__}")
     return value
 
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 import re
 import shlex
 import time
-
 from dataclasses import asdict
 
 from envs.grading import GradingReport, RewardError, patch_files, report_from_log
-from envs.integrity import Guard
+from envs.integrity import Guard, file_of_test
 from envs.task import Task
+from sandboxes.base import SandboxError
 
 # swesmith 0.0.9: PythonProfile.test_cmd (ENV_NAME "testbed") and constants.GIT_APPLY_CMDS.
 SWE_SMITH_TEST_CMD = ("source /opt/miniconda3/bin/activate; conda activate testbed; "
@@ -52,7 +52,7 @@ _COLOR = re.compile(r"\u001b\[\d+m")
 
 def swe_smith_test_files(tests: list[str]) -> list[str]:
     """PythonProfile.get_test_files: the files of the test ids."""
-    return sorted({t.split("::", 1)[0] for t in tests})
+    return sorted({file_of_test(t) for t in tests})
 
 
 def remove_paths(task: Task, grading: bool) -> tuple[str, ...]:
@@ -102,8 +102,6 @@ async def swe_smith_start(sandbox, task: Task, grading: bool, timeout_s: float) 
     """The instance's branch in the sandbox's repository (found, or made as gather.py makes it):
     its tip, where the agent starts, and, for grading, the patch that restores the F2P test
     files (the tip to its parent). Raises RewardError (grading) or SandboxError."""
-    from sandboxes.base import SandboxError
-
     if task.bug_patch:
         await sandbox.write_file(BUG_FILE, task.bug_patch if task.bug_patch.endswith("\n") else task.bug_patch + "\n")
     files = " ".join(shlex.quote(f) for f in swe_smith_test_files(task.FAIL_TO_PASS))
@@ -179,16 +177,6 @@ async def r2e_grade(sandbox, task: Task, timeout_s: float) -> GradingReport:
         report.resolution = "NO"
     report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
     return report
-
-
-def swe_smith_report(log: str, task: Task, exit_code: int | None) -> GradingReport:
-    """get_eval_report's verdict: every F2P and P2P test PASSED or XFAIL. The exit code does not
-    count (a whole-suite run exits non-zero for tests outside both lists), but a log that
-    reports one test both passing and failing is still no pass."""
-    report = report_from_log(swe_smith_log(log), "swe_smith", task.FAIL_TO_PASS, task.PASS_TO_PASS, None)
-    report.test_exit_code = exit_code
-    return report
-
 
 
 _HUNK = re.compile(r"^@@ -(\d+(?:,\d+)?) \+(\d+(?:,\d+)?) @@(.*)$")

@@ -17,6 +17,7 @@ from fastapi.templating import Jinja2Templates
 from service.api.answers import AnswersDep, answers, remember
 from service.control.redaction import REDACTED
 from service.api.deps import SessionDep
+from service.api.routes.evaluations import instance_detail, list_evaluations, list_instances, show_evaluation
 from service.control.views import (
     episode_detail, get_run, group_detail, list_runs, progress, task_difficulty, training,
 )  # fmt: skip
@@ -152,8 +153,6 @@ async def task_page(request: Request, session: SessionDep, answers: AnswersDep, 
 
 @router.get("/evaluations", response_class=HTMLResponse)
 async def evaluations_page(request: Request, session: SessionDep, limit: int = Query(100, ge=1, le=500)):
-    from service.api.routes.evaluations import list_evaluations
-
     page = await list_evaluations(session, None, limit, 0)
     return _page(request, "evaluations.html", evaluations=page["items"])
 
@@ -161,8 +160,6 @@ async def evaluations_page(request: Request, session: SessionDep, limit: int = Q
 @router.get("/evaluations/{evaluation_id}", response_class=HTMLResponse)
 async def evaluation_page(request: Request, session: SessionDep, evaluation_id: uuid.UUID,
                           offset: int = Query(0, ge=0, le=2**31 - 1), limit: int = Query(200, ge=1, le=500)):  # fmt: skip
-    from service.api.routes.evaluations import list_instances, show_evaluation
-
     evaluation = await show_evaluation(session, evaluation_id)
     instances = await list_instances(session, evaluation_id, None, limit, offset)
     return _page(request, "evaluation.html", e=evaluation, instances=instances["items"], offset=offset, limit=limit)
@@ -171,8 +168,6 @@ async def evaluation_page(request: Request, session: SessionDep, evaluation_id: 
 @router.get("/evaluations/{evaluation_id}/instances/{instance_id:path}", response_class=HTMLResponse)
 async def evaluation_instance_page(request: Request, session: SessionDep, answers: AnswersDep,
                                    evaluation_id: uuid.UUID, instance_id: str):  # fmt: skip
-    from service.api.routes.evaluations import instance_detail
-
     i = await instance_detail(session, answers, evaluation_id, instance_id)
     status = (i["report"] or {}).get(instance_id, {}).get("tests_status") or {}
     report = {"fail_to_pass": status.get("FAIL_TO_PASS"), "pass_to_pass": status.get("PASS_TO_PASS")}
