@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +43,8 @@ class SWEEnvConfig(BaseModel):
     """Task images (bubblewrap), one folder per content key."""
     bundle_dirs: tuple[Path, ...] = (Path(os.environ.get("SWERVE_DATA_DIR", "var")) / "bundles", EXAMPLE_BUNDLES)
     """Where `source: bundle:NAME` is looked up (NAME.bundle)."""
+    source_roots: tuple[Path, ...] | None = None
+    """Host folders a task's local `source` must be under (None: any)."""
     integrity: IntegrityMode = "revert"
     """The agent's changes to test files and test configuration before grading: reverted,
     rejected (resolution NO), or left ("off"). Either way they are recorded (envs/integrity.py)."""
@@ -55,10 +58,39 @@ def resolve_source(task: Task, cfg: SWEEnvConfig) -> str:
     source = task.source or f"https://github.com/{task.repo}.git"
     if source.startswith("bundle:"):
         name = source.removeprefix("bundle:")
+        if "/" in name or name.startswith(".") or not name:
+            raise SandboxError(f"{task.instance_id}: bundle name {name!r} must be a file name, without folders")
         for folder in cfg.bundle_dirs:
             if (folder / f"{name}.bundle").is_file():
                 return str(folder / f"{name}.bundle")
         raise SandboxError(f"bundle {name!r} of {task.instance_id} not found in {[str(d) for d in cfg.bundle_dirs]}")
+    if problem := source_problem(source, cfg.source_roots):
+        raise SandboxError(f"{task.instance_id}: {problem}")
+    return source
+
+
+def source_problem(source: str | None, roots: tuple[Path, ...] | None) -> str | None:
+    """Why a task may not come from `source` on this host (None: it may). A local path (or
+    file:// URL) must be under one of `roots` (None: any); git URLs and bundles are not
+    host paths."""
+    local = _local_path(source)
+    if local is None or roots is None:
+        return None
+    real = Path(os.path.realpath(local))
+    if any(real.is_relative_to(os.path.realpath(root)) for root in roots):
+        return None
+    return (f"source: {source} is a path on this host outside the allowed source folders "
+            f"({', '.join(map(str, roots)) or 'none'}; SWERVE_SOURCE_ROOTS allows folders); "
+            "give a git URL or bundle:NAME instead")
+
+
+def _local_path(source: str | None) -> str | None:
+    if not source or source.startswith("bundle:"):
+        return None
+    if source.startswith("file://"):
+        return urlsplit(source).path or "/"
+    if "://" in source or ":" in source.split("/", 1)[0]:
+        return None  # a remote URL, or scp-like [user@]host:path (git's rule: a colon before any slash)
     return source
 
 

@@ -22,6 +22,7 @@ _SWEBENCH_PARSER = re.compile(r"^[a-z][a-z0-9_]*$")
 """A parser name of the swebench package (parse_log_NAME), checked against it at grading."""
 _INSTANCE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/+@]*$")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9._\-]+)+$")
+_BUNDLE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 
 
 def _test_list(value: Any) -> Any:
@@ -116,6 +117,24 @@ class Task(BaseModel):
         if not _INSTANCE_ID.match(v):
             raise ValueError("may hold letters, digits and . _ - / + @ only, starting with a "
                              "letter or digit")
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.startswith("bundle:"):
+            if not _BUNDLE.match(v.removeprefix("bundle:")):
+                raise ValueError("bundle:NAME takes a file name without folders (letters, digits and . _ -, "
+                                 "not starting with a dot)")
+            return v
+        if "::" in v or v.startswith("-"):
+            raise ValueError("must be a git URL (https, http, git, ssh), user@host:path, a local path or "
+                             "bundle:NAME; git's transport::address forms and options are refused")
+        if "://" in v and v.split("://", 1)[0] not in ("https", "http", "git", "ssh", "file"):
+            raise ValueError(f"URL scheme {v.split('://', 1)[0]!r} is not a git transport this service "
+                             "clones from (https, http, git, ssh, file)")
         return v
 
     @field_validator("repo")

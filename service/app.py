@@ -63,11 +63,47 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router, prefix="/api/v1")
     _add_error_handlers(app)
     app.add_middleware(RefuseNul)
+    if settings.local_mode:
+        app.add_middleware(CheckHost, allowed=settings.allowed_host_list)
 
     from service import ui
 
     ui.mount(app)
     return app
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+class CheckHost:
+    """Local mode answers only requests addressed to loopback (or SWERVE_ALLOWED_HOSTS): a web
+    page whose name an attacker points at 127.0.0.1 (DNS rebinding) sends its own Host header,
+    and is refused (400) before any route, so it can neither read nor change anything."""
+
+    def __init__(self, app, allowed: tuple[str, ...] = ()):
+        self.app, self.allowed = app, set(allowed)
+
+    def allows(self, host_header: str) -> bool:
+        if "*" in self.allowed:
+            return True
+        host = host_header.strip().lower()
+        if host.startswith("["):  # [::1]:8000
+            host = host[1:].split("]", 1)[0]
+        elif host.count(":") == 1:
+            host = host.split(":", 1)[0]
+        return host in LOOPBACK_NAMES or host.endswith(".localhost") or host in self.allowed \
+            or host.startswith("127.")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope.get("headers") or ()).get(b"host", b"").decode("latin-1")
+            if not self.allows(host):
+                response = JSONResponse({"detail": f"Host {host[:100]!r} is not this local service's: local mode "
+                                                   "answers loopback only; the operator allows more names with "
+                                                   "SWERVE_ALLOWED_HOSTS"}, status_code=400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class RefuseNul:

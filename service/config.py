@@ -44,6 +44,37 @@ class Settings(BaseSettings):
     log_format: str = "text"
     """`text` for people, `json` for containers."""
 
+    # What a run or suite may ask for: checked when it is created, so a bad value is a 422
+    # naming the field, never a run that cannot end (service.control.admission).
+    max_memory_mb: int = Field(65536, ge=16)
+    """Ceiling on a run's `limits.memory_mb` (MiB)."""
+    max_cpus: float = Field(64.0, gt=0, allow_inf_nan=False)
+    """Ceiling on `limits.cpus`."""
+    max_pids: int = Field(16384, ge=8)
+    """Ceiling on `limits.pids`."""
+    max_disk_mb: int = Field(262144, ge=16)
+    """Ceiling on `limits.disk_mb` (MiB)."""
+    max_command_timeout_s: float = Field(6 * 3600.0, gt=0, allow_inf_nan=False)
+    """Ceiling on `limits.command_timeout_s`."""
+    max_sandbox_lifetime_s: float = Field(48 * 3600.0, gt=0, allow_inf_nan=False)
+    """Ceiling on `limits.lifetime_s` and on the agent's `wall_clock_s`."""
+    max_output_limit_bytes: int = Field(16 * 1024 * 1024, ge=256)
+    """Ceiling on `limits.output_limit_bytes`."""
+    max_worker_timeout_s: float = Field(24 * 3600.0, gt=0, allow_inf_nan=False)
+    """Ceiling on a run's `worker_timeout_s` and `queue_timeout_s`."""
+    endpoint_hosts: str = ""
+    """Hosts a run's `sampler.endpoints` may name, comma-separated (`host` or `host:port`; `*`
+    any). Loopback is allowed too in local mode. Endpoints must be http(s) either way."""
+    model_roots: str = ""
+    """Folders a run's `sampler.tokenizer` may come from besides the models folder,
+    comma-separated."""
+    source_roots: str = ""
+    """Host folders a task's local `source` may be under, comma-separated. Empty: none with a
+    token set (git URLs and `bundle:NAME` only); any in local mode."""
+    allowed_hosts: str = ""
+    """Host names the API answers to besides loopback's in local mode, comma-separated (`*`
+    any): a page elsewhere cannot reach a local service by DNS rebinding."""
+
     @field_validator("database_url")
     @classmethod
     def _known_database(cls, url: str) -> str:
@@ -76,6 +107,28 @@ class Settings(BaseSettings):
     @property
     def local_mode(self) -> bool:
         return self.api_token is None
+
+    @property
+    def endpoint_host_list(self) -> tuple[str, ...]:
+        return _items(self.endpoint_hosts)
+
+    @property
+    def model_root_list(self) -> tuple[Path, ...]:
+        return (self.resolved_models_dir, *map(Path, _items(self.model_roots)))
+
+    @property
+    def source_root_list(self) -> tuple[Path, ...] | None:
+        """None: any local source (local mode without the setting)."""
+        roots = tuple(map(Path, _items(self.source_roots)))
+        return None if not roots and self.local_mode else roots
+
+    @property
+    def allowed_host_list(self) -> tuple[str, ...]:
+        return _items(self.allowed_hosts)
+
+
+def _items(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
 def load_settings(**overrides) -> Settings:

@@ -444,11 +444,12 @@ def progress_line(state: dict, elapsed_s: float) -> str:
 
 async def job_state(engine, run_id: uuid.UUID) -> dict:
     from service.control import views
+    from service.control.redaction import Answers
     from service.store.db import session_factory
 
     async with session_factory(engine)() as session:
         run = await views.get_run(session, run_id)
-        return await views.progress(session, run) | {"training": await views.training(session, run)}
+        return await views.progress(session, run, Answers(shown=True)) | {"training": await views.training(session, run)}
 
 
 async def _follow(engine, run_id: uuid.UUID, trainer: subprocess.Popen | None, console,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,6 +24,11 @@ TOKEN = "test-token-0123456789abcdef"
 PG_ADMIN_URL = os.environ.get(
     "SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
+# The operator's allowances of a test deployment (service.control.admission): the fleets under
+# test listen on loopback and the tiny models live in pytest's temporary folders. Set before any
+# settings are read, so servers started as subprocesses have them too.
+os.environ.setdefault("SWERVE_ENDPOINT_HOSTS", "127.0.0.1,localhost")
+os.environ.setdefault("SWERVE_MODEL_ROOTS", tempfile.gettempdir())
 TABLES = ("evaluation_instances", "evaluations", "turns", "episodes", "groups", "runs", "tasks", "suites", "policies")
 
 
@@ -112,7 +118,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def make_settings(database_url: str, **overrides):
     """Settings for an app under test; no in-process worker unless a test asks for one."""
-    return load_settings(database_url=database_url, api_token=TOKEN, **({"embedded_worker": False} | overrides))
+    return load_settings(database_url=database_url, **({"api_token": TOKEN, "embedded_worker": False} | overrides))
 
 
 @pytest.fixture
@@ -132,7 +138,7 @@ class client_for:
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         transport = httpx.ASGITransport(app=self.app)
-        self.client = httpx.AsyncClient(transport=transport, base_url="http://swerve.test")
+        self.client = httpx.AsyncClient(transport=transport, base_url="http://localhost")
         return self.client
 
     async def __aexit__(self, *exc) -> None:

@@ -3,6 +3,7 @@ staleness gating, groups started together, attempts fenced against zombie worker
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import timedelta
 
@@ -251,3 +252,132 @@ async def test_lost_workers_episodes_go_back_to_queued_as_a_new_attempt(engine):
         n_turns = await conn.scalar(sa.select(sa.func.count()).select_from(Turn).where(Turn.episode_id == episode_id))
     assert (row.status, row.attempt, n_turns) == ("queued", attempt + 1, 0)
     assert (await statuses(engine, run_id)) == {"queued": 6}
+
+
+class NotVLLMServer:
+    """An OpenAI-compatible server that is not vLLM (or a wrong URL answering 200): its
+    /v1/models has no `data` list."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                body = b'{"object": "list", "models": ["gpt-x"]}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def run_row(engine, run_id):
+    async with engine.connect() as conn:
+        return (await conn.execute(sa.select(Run.status, Run.error, Run.owner).where(Run.id == run_id))).one()
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+async def test_an_endpoint_that_is_not_vllm_ends_the_run_with_why(engine, cancel):
+    server = NotVLLMServer()
+    try:
+        run_id = await make_run(engine, sampler="vllm")
+        async with engine.begin() as conn:
+            cfg = await conn.scalar(sa.select(Run.config).where(Run.id == run_id))
+            cfg["sampler"]["endpoints"] = [server.url]
+            await conn.execute(sa.update(Run).where(Run.id == run_id).values(config=cfg))
+            if cancel:
+                await Buffer.request_cancel(conn, run_id)
+        sent = []
+        status = await asyncio.wait_for(orchestrate(engine, run_id, sent.append, owner="a", poll_s=0.01), 30)
+        row = await run_row(engine, run_id)
+        assert status == row.status == ("cancelled" if cancel else "failed") and row.owner is None
+        assert "sampler.endpoints" in row.error and "not a vLLM server" in row.error and server.url in row.error
+        assert sent == [] and await statuses(engine, run_id) == {"cancelled": 6}
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+async def test_an_error_on_every_tick_ends_the_run_instead_of_retrying_forever(engine, monkeypatch, cancel):
+    from service.control import orchestrator
+
+    run_id = await make_run(engine, sampler="oracle")
+    if cancel:
+        async with engine.begin() as conn:
+            await Buffer.request_cancel(conn, run_id)
+    ticks = []
+
+    async def broken(*args, **kwargs):
+        ticks.append(1)
+        raise KeyError("data")
+
+    monkeypatch.setattr(orchestrator, "_lost", broken)
+    status = await asyncio.wait_for(orchestrate(engine, run_id, [].append, owner="a", poll_s=0.01), 30)
+    row = await run_row(engine, run_id)
+    assert status == row.status == ("cancelled" if cancel else "failed") and len(ticks) == orchestrator.MAX_ERRORS
+    assert f"failed {orchestrator.MAX_ERRORS} times in a row: KeyError" in row.error
+    assert await statuses(engine, run_id) == {"cancelled": 6}
+
+
+async def test_a_database_blip_is_retried_not_a_failed_run(engine, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    from service.control import orchestrator
+
+    run_id = await make_run(engine, sampler="oracle")
+
+    async def blip(*args, **kwargs):
+        raise OperationalError("SELECT 1", {}, ConnectionError("server closed the connection"))
+
+    monkeypatch.setattr(orchestrator, "_lost", blip)
+    with pytest.raises(OperationalError):  # to the supervisor, whose next scan starts it again
+        await orchestrate(engine, run_id, [].append, owner="a", poll_s=0.01)
+    row = await run_row(engine, run_id)
+    assert row.status == "running" and row.error is None
+
+
+async def test_a_stored_config_that_no_longer_validates_fails_the_run(engine):
+    run_id = await make_run(engine, sampler="oracle")
+    async with engine.begin() as conn:
+        await conn.execute(sa.update(Run).where(Run.id == run_id).values(config={"suite_id": "not a uuid"}))
+    assert await orchestrate(engine, run_id, [].append, owner="a", poll_s=0.01) == "failed"
+    row = await run_row(engine, run_id)
+    assert row.status == "failed" and "stored config is no longer valid" in row.error and "sampler" in row.error
+
+
+async def test_an_episode_the_worker_cannot_run_is_final_and_the_run_fails_with_why(engine, tmp_path):
+    """A tokenizer folder that is gone (created before the check, or removed since) ends each
+    episode as worker_error with the reason, and the failure stop ends the run with it, instead
+    of a redelivery loop with an empty error."""
+    from service.config import load_settings
+    from service.worker.executor import execute_episode
+
+    run_id = await make_run(engine, sampler="oracle", max_consecutive_failures=2, concurrency=2)
+    async with engine.begin() as conn:  # rows the worker can read (make_suite's have no tests to fail)
+        await conn.execute(sa.update(Task).values(fail_to_pass=["t::a"]))
+    cfg = await config(engine, run_id)
+    sent = []
+    assert await _tick(engine, run_id, cfg, sent.append, "a", 15.0, None) is None
+    settings = load_settings(data_dir=tmp_path)
+    for episode_id in sent:
+        assert await execute_episode(engine, settings, uuid.UUID(episode_id)) == "worker_error"
+    async with engine.connect() as conn:
+        errors = (await conn.execute(sa.select(Episode.error_type, Episode.error_message)
+                                     .where(Episode.status == "worker_error"))).all()
+    assert len(errors) == 2 and all(e.error_type == "ConfigError" for e in errors)
+    assert all("sampler.tokenizer: /nonexistent cannot be loaded" in e.error_message for e in errors)
+    assert await _tick(engine, run_id, cfg, sent.append, "a", 15.0, None) == "failed"
+    row = await run_row(engine, run_id)
+    assert "the last 2 episodes failed" in row.error and "sampler.tokenizer" in row.error

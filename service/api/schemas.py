@@ -161,6 +161,10 @@ class RunProgress(BaseModel):
     episodes_per_s: float | None
     gate: dict[str, Any] | None
     """Why the orchestrator holds episodes back (staleness), while it does."""
+    error: str | None = None
+    """Why the run failed (or was cancelled) when it could not go on: the failure stop's
+    last error, an endpoint that is not a vLLM server, an orchestrator error repeated every
+    tick. Host paths withheld without the token."""
     owner: str | None
     guarded: int
     """Episodes on which an integrity guard fired at grading."""

@@ -22,16 +22,30 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import sqlalchemy as sa
+from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.control import training
 from service.store.buffer import Buffer
-from service.fleet.client import FleetConfig, ProviderError, VLLMClient
+from service.fleet.client import FleetConfig, NotVLLM, ProviderError, VLLMClient
 from service.worker.config import RunConfig
 from service.store.tables import Episode, Group, Policy, Run, utcnow
 from service.store.status import EPISODE_FINAL, FAILURES, IN_FLIGHT, RUN_ACTIVE
 
 logger = logging.getLogger(__name__)
+
+
+TRANSIENT = (OperationalError, InterfaceError, OSError, asyncio.TimeoutError)
+"""Errors of the database or the network that the next tick may not meet: retried forever.
+Anything else an orchestrator meets on a run (a bug, a config no check caught) fails the run
+after `MAX_ERRORS` ticks in a row: an error repeated every tick must not keep a run active."""
+MAX_ERRORS = 3
+
+
+class RunFailed(Exception):
+    """The run cannot go on (the message says why): it ends as failed, or as cancelled when
+    it was being cancelled."""
 
 
 def new_owner() -> str:
@@ -54,6 +68,8 @@ class FleetVersion:
                 self.client = await VLLMClient(self.fleet_cfg).start()
             version = await self.client.refresh_versions()
             return None if version < 0 else version
+        except NotVLLM as e:  # answers, but wrongly: no episode can ever sample
+            raise RunFailed(f"sampler.endpoints: {e}") from e
         except ProviderError:
             return None  # unreachable: its episodes fail and the failure stop decides
 
@@ -69,15 +85,31 @@ async def orchestrate(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[
     owner = owner or new_owner()
     async with engine.connect() as conn:
         row = (await conn.execute(sa.select(Run.config, Run.kind).where(Run.id == run_id))).one()
-    cfg = RunConfig.model_validate(row.config)
+    try:
+        cfg = RunConfig.model_validate(row.config)
+    except ValidationError as e:
+        return await abort_run(engine, run_id, owner, lease_s, f"the run's stored config is no longer valid: {e}")
     fleet = FleetVersion(cfg)
     tasks = training.Tasks() if row.kind == "train" else None
-    first = True
+    first, errors = True, 0
     try:
         while True:
-            version = await fleet.get()
-            status = await _tick(engine, run_id, cfg, submit, owner, lease_s, version, takeover=first, tasks=tasks,
-                                 kind=row.kind)
+            try:
+                version = await fleet.get()
+                status = await _tick(engine, run_id, cfg, submit, owner, lease_s, version, takeover=first,
+                                     tasks=tasks, kind=row.kind)
+                errors = 0
+            except RunFailed as e:
+                return await abort_run(engine, run_id, owner, lease_s, str(e))
+            except TRANSIENT:
+                raise  # the supervisor's next scan starts it again
+            except Exception as e:
+                errors += 1
+                logger.exception("run %s: orchestrator tick failed (%d in a row)", run_id, errors)
+                if errors >= MAX_ERRORS:
+                    return await abort_run(engine, run_id, owner, lease_s,
+                                           f"the orchestrator failed {errors} times in a row: {type(e).__name__}: {e}")
+                status = None
             first = False
             if status == "not owner":
                 return None
@@ -87,6 +119,28 @@ async def orchestrate(engine: AsyncEngine, run_id: uuid.UUID, submit: Callable[[
             await asyncio.sleep(poll_s)
     finally:
         await fleet.close()
+
+
+async def abort_run(engine: AsyncEngine, run_id: uuid.UUID, owner: str, lease_s: float, error: str) -> str | None:
+    """End a run that cannot go on, with `error` on it: failed (cancelled if it was being
+    cancelled); its episodes that never started are cancelled, running ones see the run end
+    and stop. Reads nothing of the run's config, so a config it cannot read still ends."""
+    async with engine.begin() as conn:
+        if not await Buffer.own_run(conn, run_id, owner, lease_s):
+            return None
+        status = await conn.scalar(sa.select(Run.status).where(Run.id == run_id))
+        final = "cancelled" if status == "cancelling" else "failed"
+        pending = (await conn.execute(sa.select(Episode.id).where(
+            Episode.run_id == run_id, Episode.status.in_(("pending", "queued"))))).scalars().all()
+    buffer = Buffer(engine)
+    for episode_id in pending:
+        await buffer.finish_episode(episode_id, status="cancelled")
+    async with engine.begin() as conn:
+        await Buffer.finish_run(conn, run_id, final, error=error[:4000])
+        for child in (await conn.execute(sa.select(Run.id).where(Run.parent_id == run_id))).scalars():
+            await Buffer.request_cancel(conn, child)
+    logger.error("run %s %s: %s", run_id, final, error)
+    return final
 
 
 async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: Callable[[str], None],
@@ -105,7 +159,8 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
         if kind == "train" and run_status == "running":
             await training.cancel_stale_evaluations(conn, run_id, version)
             await training.start_evaluation(conn, run_id, cfg, version, fleet_version)
-        if run_status == "cancelling" or await _failing(conn, run_id, cfg.max_consecutive_failures):
+        failing = None if run_status == "cancelling" else await _failing(conn, run_id, cfg.max_consecutive_failures)
+        if run_status == "cancelling" or failing is not None:
             final = "cancelled" if run_status == "cancelling" else "failed"
             pending = (await conn.execute(sa.select(Episode.id).where(
                 Episode.run_id == run_id, Episode.status.in_(("pending", "queued"))))).scalars().all()
@@ -135,7 +190,7 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
     if final == "cancelled" and counts.get("running", 0):
         return None  # wait for running episodes to end
     async with engine.begin() as conn:
-        await Buffer.finish_run(conn, run_id, final)
+        await Buffer.finish_run(conn, run_id, final, error=failing)
         for child in (await conn.execute(sa.select(Run.id).where(Run.parent_id == run_id))).scalars():
             await Buffer.request_cancel(conn, child)  # a training run's evaluations end with it
     return final
@@ -207,11 +262,16 @@ async def _lost(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, all_qu
     return list(dead) + list(again)
 
 
-async def _failing(conn: AsyncConnection, run_id: uuid.UUID, limit: int) -> bool:
-    recent = (await conn.execute(sa.select(Episode.status).where(
+async def _failing(conn: AsyncConnection, run_id: uuid.UUID, limit: int) -> str | None:
+    """Why the run stops when its last `limit` episodes all failed (None: they did not)."""
+    recent = (await conn.execute(sa.select(Episode.status, Episode.error_type, Episode.error_message).where(
         Episode.run_id == run_id, Episode.finished_at.is_not(None))
-        .order_by(Episode.finished_at.desc()).limit(limit))).scalars().all()
-    return len(recent) == limit and all(s in FAILURES for s in recent)
+        .order_by(Episode.finished_at.desc()).limit(limit))).all()
+    if len(recent) < limit or not all(r.status in FAILURES for r in recent):
+        return None
+    last = recent[0]
+    return (f"the last {limit} episodes failed (max_consecutive_failures); the latest: {last.status}: "
+            f"{last.error_type or ''}: {last.error_message or '(no message)'}")[:4000]
 
 
 def _log_failure(job: asyncio.Task) -> None:

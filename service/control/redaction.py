@@ -6,6 +6,8 @@ calls, observations, tokens, diff. A withheld field is null and named in its obj
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 REDACTED = "redacted: needs the API token"
@@ -17,6 +19,25 @@ REPORT_SHOWN = ("resolution", "fail_to_pass", "pass_to_pass", "test_exit_code", 
 """A grading report's fields anyone may see: the verdict and the named tests' outcomes."""
 TURN_ANSWERS = ("text", "tool_call", "observation",
                 "input_ids", "output_ids", "output_logprobs", "routed_experts")
+
+
+_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\"(),;:\]\[<>]+")
+
+
+def without_host_paths(text: str | None) -> str | None:
+    """`text` with every path of this host in it (one that exists, or whose folder does)
+    replaced by `<host path>`: errors shown without the token tell nothing of the machine.
+    Paths that are not the host's (in a sandbox, in a URL, made up) stay."""
+    if not text:
+        return text
+
+    def scrub(m: re.Match) -> str:
+        path = m.group(0).rstrip(".")
+        parent = os.path.dirname(path.rstrip("/"))
+        on_host = os.path.exists(path) or (parent not in ("", "/") and os.path.isdir(parent))
+        return "<host path>" + m.group(0)[len(path):] if on_host else m.group(0)
+
+    return _PATH.sub(scrub, text)
 
 
 def is_oracle(run_config: dict) -> bool:
@@ -64,6 +85,8 @@ class Answers:
         if not self.shown and episode["error_type"] == "RewardError":  # carries the grading sandbox's output
             hidden.append("error_message")
         out = _withhold(episode, hidden)
+        if not self.shown and out.get("error_message"):
+            out["error_message"] = without_host_paths(out["error_message"])
         if self.hides_turns(oracle):
             out["redacted"].append("turns")
         if "report" in out:
@@ -71,6 +94,10 @@ class Answers:
         if "turns" in out:
             out["turns"] = [self.turn(t, oracle=oracle) for t in out["turns"]]
         return out
+
+    def error(self, text: str | None) -> str | None:
+        """A run's or a job's error: host paths withheld without the token."""
+        return text if self.shown else without_host_paths(text)
 
     def evaluation_instance(self, instance: dict) -> dict:
         """A graded prediction: the test log and the harness's message carry the hidden tests."""

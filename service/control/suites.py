@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import ijson
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from envs import datasets
+from envs.swe_env import source_problem
 from envs.task import Task
 from service.store.tables import Suite, utcnow
 from service.store.tables import Task as TaskRow
@@ -164,7 +166,8 @@ def _nul_path(value: Any, path: str = "") -> str | None:
     return None
 
 
-def _validate(parsed: _Parsed, fmt: str = "auto") -> Task | list[RecordError]:
+def _validate(parsed: _Parsed, fmt: str = "auto", source_roots: tuple[Path, ...] | None = None,
+              ) -> Task | list[RecordError]:  # fmt: skip
     def error(field: str | None, message: str, instance_id: str | None = None) -> RecordError:
         return RecordError(parsed.line, parsed.index, instance_id, field, message)
 
@@ -178,7 +181,7 @@ def _validate(parsed: _Parsed, fmt: str = "auto") -> Task | list[RecordError]:
         return [error(nul, "holds a NUL character (\\u0000), which no database text column stores; "
                            "remove it (patches and tests cannot contain one either)", instance_id)]
     try:
-        return Task.model_validate(datasets.adapt(parsed.obj, fmt))
+        task = Task.model_validate(datasets.adapt(parsed.obj, fmt))
     except datasets.DatasetRowError as e:
         return [error(e.field, str(e), instance_id)]
     except ValidationError as e:
@@ -186,6 +189,9 @@ def _validate(parsed: _Parsed, fmt: str = "auto") -> Task | list[RecordError]:
             error(".".join(str(p) for p in err["loc"]) or None, err["msg"], instance_id)
             for err in e.errors(include_url=False)
         ]
+    if problem := source_problem(task.source, source_roots):
+        return [error("source", problem, instance_id)]
+    return task
 
 
 async def _name_taken(conn: AsyncConnection, name: str) -> bool:
@@ -195,9 +201,10 @@ async def _name_taken(conn: AsyncConnection, name: str) -> bool:
 
 async def import_suite(
     engine: AsyncEngine, name: str, records: AsyncIterable[_Parsed], *, max_listed_errors: int,
-    fmt: str = "auto",
+    fmt: str = "auto", source_roots: tuple[Path, ...] | None = None,
 ) -> ImportResult:
-    """Validate and insert every record in one transaction. Raises SuiteImportError."""
+    """Validate and insert every record in one transaction. Raises SuiteImportError. A task
+    whose `source` is a host path outside `source_roots` (None: any) is refused."""
     suite_id, errors, error_count = uuid.uuid4(), [], 0
     seen: dict[str, int | None] = {}
     batch: list[dict[str, Any]] = []
@@ -208,7 +215,7 @@ async def import_suite(
             await conn.execute(sa.insert(Suite).values(
                 id=suite_id, name=name, task_count=0, created_at=utcnow()))
             async for parsed in records:
-                result = _validate(parsed, fmt)
+                result = _validate(parsed, fmt, source_roots)
                 if isinstance(result, Task) and result.instance_id in seen:
                     first = seen[result.instance_id]
                     result = [RecordError(parsed.line, parsed.index, result.instance_id,

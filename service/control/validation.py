@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 def env_config(settings: Settings) -> SWEEnvConfig:
     return SWEEnvConfig(image_cache_dir=settings.data_dir / "images",
-                        bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
+                        bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES),
+                        source_roots=settings.source_root_list)
 
 
 async def claim_validation(engine: AsyncEngine, suite_id: uuid.UUID, owner: str, lease_s: float) -> bool:

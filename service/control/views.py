@@ -32,12 +32,13 @@ async def get_run(session: AsyncSession, run_id: uuid.UUID) -> Run:
     return run
 
 
-async def progress(session: AsyncSession, run: Run) -> dict:
-    """A run's counts by status, reward mean, pass@1 / pass@k over tasks, tokens, throughput."""
-    return (await progress_many(session, [run]))[0]
+async def progress(session: AsyncSession, run: Run, answers: Answers) -> dict:
+    """A run's counts by status, reward mean, pass@1 / pass@k over tasks, tokens, throughput,
+    and why it failed (host paths withheld without the token)."""
+    return (await progress_many(session, [run], answers))[0]
 
 
-async def progress_many(session: AsyncSession, runs: list[Run]) -> list[dict]:
+async def progress_many(session: AsyncSession, runs: list[Run], answers: Answers) -> list[dict]:
     """progress() of many runs in three queries (the runs page lists hundreds)."""
     ids = [r.id for r in runs]
     if not ids:
@@ -73,16 +74,16 @@ async def progress_many(session: AsyncSession, runs: list[Run]) -> list[dict]:
             "pass_at_k": sum(1 for t in tasks if t[0] == 1.0) / len(tasks) if tasks else None,
             "tokens_per_s": tokens / elapsed if elapsed else None,
             "episodes_per_s": final / elapsed if elapsed else None,
-            "gate": run.gate, "owner": run.owner, "guarded": guarded,
+            "gate": run.gate, "owner": run.owner, "guarded": guarded, "error": answers.error(run.error),
             "kind": run.kind, "parent_id": run.parent_id, "policy_version": run.policy_version,
         })  # fmt: skip
     return out
 
 
-async def list_runs(session: AsyncSession, limit: int, offset: int) -> dict:
+async def list_runs(session: AsyncSession, limit: int, offset: int, answers: Answers) -> dict:
     total = await session.scalar(sa.select(sa.func.count()).select_from(Run))
     runs = (await session.scalars(sa.select(Run).order_by(Run.created_at.desc()).limit(limit).offset(offset))).all()
-    return {"items": await progress_many(session, list(runs)), "total": total, "limit": limit, "offset": offset}
+    return {"items": await progress_many(session, list(runs), answers), "total": total, "limit": limit, "offset": offset}
 
 
 def episode_summary(e: Episode, instance_id: str) -> dict:

@@ -30,6 +30,11 @@ class ProviderError(Exception):
     """The fleet could not answer after retries (episode status provider_error)."""
 
 
+class NotVLLM(ProviderError):
+    """Every endpoint answers, but none as a vLLM server of the model asked for (a wrong URL,
+    another OpenAI-compatible server, another model): waiting will not help."""
+
+
 class ContextExceeded(Exception):
     """The prompt plus max_tokens would not fit the server's context (context_exhausted)."""
 
@@ -112,6 +117,10 @@ class Endpoint:
     model: str = ""
     failures: int = 0
     sessions: set[str] = field(default_factory=set)
+    wrong: str | None = None
+    """Set when the server answered, but not as the vLLM server asked for (why)."""
+    error: str = ""
+    """Why it was last marked unhealthy."""
 
 
 class VLLMClient:
@@ -135,7 +144,10 @@ class VLLMClient:
     async def start(self) -> VLLMClient:
         await asyncio.gather(*(self._probe(ep) for ep in self.endpoints))
         if not any(ep.healthy for ep in self.endpoints):
-            raise ProviderError(f"no healthy inference server among {[e.url for e in self.endpoints]}")
+            why = "; ".join(f"{e.url}: {e.wrong or e.error}" for e in self.endpoints)
+            if all(ep.wrong for ep in self.endpoints):
+                raise NotVLLM(f"no endpoint answers as a vLLM server of model {self.cfg.model or '(any)'}: {why}")
+            raise ProviderError(f"no healthy inference server: {why}")
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         self._version_task = asyncio.get_running_loop().create_task(self._version_loop())
         return self
@@ -159,14 +171,24 @@ class VLLMClient:
         except (httpx.HTTPError, ValueError) as e:
             self._mark_down(ep, f"probe failed: {e}")
             return
-        served = models["data"]
+        served = _served_models(models)
+        if isinstance(served, str):
+            ep.wrong = f"/v1/models answered {served}: not a vLLM server (is the URL the server's base URL?)"
+            self._mark_down(ep, ep.wrong)
+            return
         match = next((m for m in served if self.cfg.model in (None, m["id"])), None)
         if match is None:
-            self._mark_down(ep, f"serves {[m['id'] for m in served]}, not {self.cfg.model}")
+            ep.wrong = f"serves {[m['id'] for m in served]}, not {self.cfg.model}"
+            self._mark_down(ep, ep.wrong)
             return
-        ep.model, ep.max_model_len = match["id"], int(match["max_model_len"])
-        ep.version = _parse_version(info.json().get("weight_version")) if info.status_code == 200 else 0
-        ep.healthy, ep.failures = True, 0
+        try:
+            version = _parse_version(info.json().get("weight_version")) if info.status_code == 200 else 0
+        except (ValueError, AttributeError) as e:
+            ep.wrong = f"/weight_info answered {info.text[:200]!r} ({e}): not swerve's vLLM server"
+            self._mark_down(ep, ep.wrong)
+            return
+        ep.model, ep.max_model_len, ep.version = match["id"], int(match["max_model_len"]), version
+        ep.healthy, ep.failures, ep.wrong = True, 0, None
 
     async def _version_loop(self) -> None:
         while True:
@@ -181,6 +203,7 @@ class VLLMClient:
                     await self._probe(ep)
 
     def _mark_down(self, ep: Endpoint, why: str) -> None:
+        ep.error = why
         if ep.healthy:
             logger.warning("inference server %s marked unhealthy: %s", ep.url, why)
         ep.healthy = False
@@ -270,7 +293,10 @@ class VLLMClient:
         except httpx.HTTPError:
             return  # the next request finds out whether the server is gone
         if info.status_code == 200:
-            ep.version = _parse_version(info.json().get("weight_version"))
+            try:
+                ep.version = _parse_version(info.json().get("weight_version"))
+            except (ValueError, AttributeError) as e:
+                self._mark_down(ep, f"/weight_info answered {info.text[:200]!r}: {e}")
 
     async def refresh_versions(self) -> int:
         """Ask every healthy server its version; return the oldest (what a new episode may get)."""
@@ -327,6 +353,18 @@ def decode_routed_experts(raw) -> np.ndarray | None:
     if arr.ndim != 3:
         raise ProviderError(f"routed_experts must be [tokens, layers, top_k], got shape {arr.shape}")
     return arr.astype(np.uint8 if arr.size == 0 or arr.max() < 256 else np.uint16)
+
+
+def _served_models(answer) -> list[dict] | str:
+    """The models a /v1/models answer lists (each with `id` and `max_model_len`, as vLLM
+    lists them), or what is wrong with the answer."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        return f"{str(answer)[:200]!r} (no list under `data`)"
+    for m in data:
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str) or not isinstance(m.get("max_model_len"), int):
+            return f"a model without `id` and `max_model_len` ({str(m)[:200]!r})"
+    return data
 
 
 @lru_cache(maxsize=8)

@@ -468,10 +468,11 @@ class Buffer:
         await conn.execute(sa.update(Run).where(Run.id == run_id).values(gate=gate))
 
     @staticmethod
-    async def finish_run(conn: AsyncConnection, run_id: uuid.UUID, status: RunStatus) -> None:
-        """The run ends (finished, cancelled or failed) and nobody owns it any more."""
+    async def finish_run(conn: AsyncConnection, run_id: uuid.UUID, status: RunStatus, error: str | None = None) -> None:
+        """The run ends (finished, cancelled or failed; `error`: why it could not go on) and
+        nobody owns it any more."""
         await conn.execute(sa.update(Run).where(Run.id == run_id).values(
-            status=status, finished_at=utcnow(), owner=None, gate=None))
+            status=status, finished_at=utcnow(), owner=None, gate=None, error=error))
 
     async def release_runs(self, owner: str) -> None:
         """Give up every run `owner` holds (a clean shutdown: others take them over at once)."""

@@ -9,7 +9,7 @@ EpisodeStatus = Literal[
     "pending", "queued", "running",
     "submitted", "max_turns", "context_exhausted", "timeout",
     "reward_error", "test_timeout",
-    "sandbox_error", "provider_error", "storage_error",
+    "sandbox_error", "provider_error", "storage_error", "worker_error",
     "cancelled",
 ]  # fmt: skip
 GRADED: tuple[EpisodeStatus, ...] = ("submitted", "max_turns", "context_exhausted", "timeout")
@@ -17,9 +17,10 @@ GRADED: tuple[EpisodeStatus, ...] = ("submitted", "max_turns", "context_exhauste
 the tests decide the reward, and the episode is trainable."""
 HARNESS_FAILURES: tuple[EpisodeStatus, ...] = ("reward_error", "test_timeout")
 """The grading harness failed (`test_timeout`: the hidden tests ran past their limit): reward NULL."""
-FAILURES: tuple[EpisodeStatus, ...] = ("sandbox_error", "provider_error", "storage_error")
-"""The sandbox, the fleet or the database failed the episode: no reward; a run stops after
-`max_consecutive_failures` of them in a row."""
+FAILURES: tuple[EpisodeStatus, ...] = ("sandbox_error", "provider_error", "storage_error", "worker_error")
+"""The sandbox, the fleet, the database or the worker itself (`worker_error`: an error no
+other status names, such as a tokenizer that cannot be loaded; its message is kept) failed
+the episode: no reward; a run stops after `max_consecutive_failures` of them in a row."""
 EPISODE_FINAL: tuple[EpisodeStatus, ...] = (*GRADED, *HARNESS_FAILURES, *FAILURES, "cancelled")
 IN_FLIGHT: tuple[EpisodeStatus, ...] = ("queued", "running")
 

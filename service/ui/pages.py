@@ -48,15 +48,16 @@ def diff_lines(diff: str | None) -> list[tuple[str, str]]:
 
 
 @router.get("/", response_class=HTMLResponse)
-async def runs_page(request: Request, session: SessionDep, limit: int = Query(100, ge=1, le=1000)):
-    page = await list_runs(session, limit, 0)
+async def runs_page(request: Request, session: SessionDep, answers: AnswersDep,
+                    limit: int = Query(100, ge=1, le=1000)):  # fmt: skip
+    page = await list_runs(session, limit, 0, answers)
     return _page(request, "runs.html", runs=page["items"], total=page["total"], active=RUN_ACTIVE)
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
-async def run_page(request: Request, session: SessionDep, run_id: uuid.UUID):
+async def run_page(request: Request, session: SessionDep, answers: AnswersDep, run_id: uuid.UUID):
     run = await get_run(session, run_id)
-    state = await progress(session, run)
+    state = await progress(session, run, answers)
     tasks = (await session.execute(
         sa.select(Task.instance_id, sa.func.count(Episode.id), sa.func.avg(Episode.reward), sa.func.avg(Episode.n_turns),
                   sa.func.avg(Episode.input_tokens + Episode.output_tokens))

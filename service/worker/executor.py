@@ -107,12 +107,13 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
         await db_retry(lambda: buffer.finish_episode(episode_id, status="cancelled", attempt=attempt),
                        f"end of episode {episode_id}")
         return "cancelled"
-    task = task_from_row(task_row)
     env_cfg = SWEEnvConfig(backend=cfg.backend, limits=cfg.limits, integrity=cfg.integrity,
                            image_cache_dir=settings.data_dir / "images",
-                           bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
+                           bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES),
+                           source_roots=settings.source_root_list)
     result, fields = EpisodeResult(status="sandbox_error"), {}
     try:
+        task = task_from_row(task_row)  # a stored row that no longer validates ends the episode too
         result = await _supervised(engine, row.run_id, episode_id, attempt,
                                    _run(cfg, task, env_cfg, buffer, episode_id, attempt))
         if result.status in GRADED and result.diff is not None:
@@ -128,11 +129,18 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
         result.status = "superseded"
     except (SandboxError, ProviderError) as e:
         result.status, result.error_type, result.error_message = failure_status(e), type(e).__name__, str(e)
+    except (TurnsLost, OperationalError, InterfaceError, PoolTimeout):
+        raise  # the database: the episode starts over (TurnsLost) or its heartbeat lapses and it restarts
+    except Exception as e:  # anything else ends the episode as data, never as a redelivery loop
+        logger.exception("episode %s failed in the worker", episode_id)
+        result.status, result.error_type, result.error_message = "worker_error", type(e).__name__, str(e) or repr(e)
     if result.status == "superseded":
         logger.warning("episode %s attempt %d was superseded by a newer attempt; stopped it", episode_id, attempt)
         return None
     counts = {"n_turns": result.n_turns, "input_tokens": result.input_tokens, "output_tokens": result.output_tokens,
               "policy_version_min": result.policy_version_min, "policy_version_max": result.policy_version_max}
+    if result.status == "worker_error":
+        del counts["n_turns"]  # the loop never returned its count: the turns it stored stay as they are
     try:
         await db_retry(lambda: buffer.finish_episode(
             episode_id, attempt=attempt, status=result.status, segment_starts=result.segment_starts, diff=result.diff,
@@ -143,7 +151,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
         await db_retry(lambda: buffer.finish_episode(
             episode_id, attempt=attempt, status=result.status, error_type=type(e).__name__, error_message=str(e),
             **counts), f"end of episode {episode_id}")
-    logger.info("episode finished", extra={"episode_id": str(episode_id), "task_id": task.instance_id,
+    logger.info("episode finished", extra={"episode_id": str(episode_id), "task_id": task_row.instance_id,
                                            "status": result.status, "reward": fields.get("reward")})
     return result.status
 
@@ -227,9 +235,17 @@ class Heartbeat:
                     stop.set_result(why)
 
 
+class ConfigError(Exception):
+    """The run's config names something the worker cannot use (episode status worker_error)."""
+
+
 async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID,
                attempt: int) -> EpisodeResult:  # fmt: skip
-    tokenizer = load_tokenizer(str(cfg.sampler.tokenizer))
+    try:
+        tokenizer = load_tokenizer(str(cfg.sampler.tokenizer))
+    except Exception as e:
+        raise ConfigError(f"sampler.tokenizer: {cfg.sampler.tokenizer} cannot be loaded: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else repr(e)}") from e
     renderer = TokenRenderer(tokenizer, SWEEnv.tools)
     sink = DbTurnSink(buffer, episode_id, attempt)
     async with task_sandbox(task, env_cfg, episode=str(episode_id)) as sandbox:

@@ -55,7 +55,7 @@ async def grade_prediction(engine: AsyncEngine, settings, evaluation_id: uuid.UU
         task = task_from_row((await conn.execute(sa.select(Task).where(Task.id == row.task_id))).one())
     config = EvaluationConfig.model_validate(row.config)
     cfg = SWEEnvConfig(backend=config.backend, integrity=config.integrity, image_cache_dir=settings.data_dir / "images",
-                       bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES))
+                       bundle_dirs=(settings.data_dir / "bundles", EXAMPLE_BUNDLES), source_roots=settings.source_root_list)
     prediction = Prediction(instance_id, row.model_name_or_path, row.model_patch)
 
     async def beat() -> None:

@@ -12,12 +12,13 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 
 from service.api.answers import AnswersDep
-from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep
+from service.api.deps import TOKEN_REQUIRED, EngineDep, SessionDep, SettingsDep
 from service.api.schemas import (
     BufferStats, DifficultyPublic, EpisodeDetail, EpisodePublic, GroupDetail, HTTPValidationError, Page, PolicyPublic,
     Problem, RunProgress, RunStatusPublic, TurnTokens,
 )  # fmt: skip
 from service.control import export, views
+from service.control.admission import AdmissionError, check_run
 from service.control.redaction import is_oracle
 from service.control.runs import RunError, create_run
 from service.store.buffer import Buffer
@@ -33,28 +34,32 @@ NOT_FOUND = {404: {"model": Problem}}
 @router.post("/runs", status_code=201, dependencies=TOKEN_REQUIRED, response_model=RunStatusPublic,
              responses={400: {"model": Problem}, 401: {"model": Problem},
                         422: {"model": Problem | HTTPValidationError}})
-async def create(request: Request, engine: EngineDep, cfg: RunConfig) -> dict:
+async def create(request: Request, engine: EngineDep, settings: SettingsDep, cfg: RunConfig) -> dict:
+    """Create a run. Refused (422, naming each field) when it asks for more than this service
+    allows: limits above the operator's ceilings, endpoints that are not http(s) to allowed
+    hosts, a tokenizer that is not a model folder (service.control.admission)."""
     try:
+        check_run(cfg, settings)
         run_id = await create_run(engine, cfg)
-    except RunError as e:
+    except (RunError, AdmissionError) as e:
         raise HTTPException(status_code=422, detail=str(e)) from e
     request.app.state.supervisor.start(run_id)
     return {"id": run_id, "status": "running"}
 
 
 @router.get("/runs", response_model=Page[RunProgress])
-async def list_runs(session: SessionDep, limit: Limit = 50, offset: Offset = 0) -> dict:
-    return await views.list_runs(session, limit, offset)
+async def list_runs(session: SessionDep, answers: AnswersDep, limit: Limit = 50, offset: Offset = 0) -> dict:
+    return await views.list_runs(session, limit, offset, answers)
 
 
 @router.get("/runs/{run_id}", response_model=RunProgress, responses=NOT_FOUND)
-async def show_run(session: SessionDep, run_id: uuid.UUID) -> dict:
+async def show_run(session: SessionDep, answers: AnswersDep, run_id: uuid.UUID) -> dict:
     """The run's progress; a training run's also has `training`: every step's metrics (reward,
     mismatch KL, entropy, staleness, useful-group fraction, filtered tasks, the step's time
     split into waiting, training and publishing) and every evaluation (pass@1 with its 95%
     interval, pass@k, format-error rate, mean turns and tokens)."""
     run = await views.get_run(session, run_id)
-    return await views.progress(session, run) | {"training": await views.training(session, run)}
+    return await views.progress(session, run, answers) | {"training": await views.training(session, run)}
 
 
 @router.get("/runs/{run_id}/tasks", response_model=DifficultyPublic, responses=NOT_FOUND)

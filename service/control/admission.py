@@ -1,0 +1,97 @@
+"""What a token holder may ask of this service, checked when a run or a suite is created: the
+operator's ceilings on a run's limits (settings), inference endpoints only over http(s) to
+allowed hosts, tokenizers only from model folders, task sources only under allowed roots. A
+run that passes starts; one that does not is a 422 naming the field and the setting that
+would allow it, so no run is created that cannot do what it asks."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from envs.swe_env import source_problem  # noqa: F401 - the suite import checks sources with it
+from service.config import Settings
+from service.worker.config import RunConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class AdmissionError(ValueError):
+    """A request asks for more than this service allows; the message names each field."""
+
+
+def check_run(cfg: RunConfig, settings: Settings) -> None:
+    """Raise AdmissionError listing every field of `cfg` this service does not allow."""
+    problems = [*_ceilings(cfg, settings), *_tokenizer(cfg, settings)]
+    if cfg.sampler.type == "vllm":
+        problems += [p for i, url in enumerate(cfg.sampler.endpoints)
+                     if (p := endpoint_problem(url, settings, f"sampler.endpoints[{i}]"))]
+    if problems:
+        raise AdmissionError("; ".join(problems))
+
+
+def _ceilings(cfg: RunConfig, settings: Settings) -> list[str]:
+    lim = cfg.limits
+    asked = [("limits.memory_mb", lim.memory_mb, settings.max_memory_mb, "MAX_MEMORY_MB"),
+             ("limits.cpus", lim.cpus, settings.max_cpus, "MAX_CPUS"),
+             ("limits.pids", lim.pids, settings.max_pids, "MAX_PIDS"),
+             ("limits.disk_mb", lim.disk_mb, settings.max_disk_mb, "MAX_DISK_MB"),
+             ("limits.command_timeout_s", lim.command_timeout_s, settings.max_command_timeout_s,
+              "MAX_COMMAND_TIMEOUT_S"),
+             ("limits.lifetime_s", lim.lifetime_s, settings.max_sandbox_lifetime_s, "MAX_SANDBOX_LIFETIME_S"),
+             ("limits.output_limit_bytes", lim.output_limit_bytes, settings.max_output_limit_bytes,
+              "MAX_OUTPUT_LIMIT_BYTES"),
+             ("agent.wall_clock_s", cfg.agent.wall_clock_s, settings.max_sandbox_lifetime_s, "MAX_SANDBOX_LIFETIME_S"),
+             ("worker_timeout_s", cfg.worker_timeout_s, settings.max_worker_timeout_s, "MAX_WORKER_TIMEOUT_S"),
+             ("queue_timeout_s", cfg.queue_timeout_s, settings.max_worker_timeout_s, "MAX_WORKER_TIMEOUT_S")]
+    return [f"{field}: {value:g} is above this service's ceiling of {ceiling:g} (SWERVE_{setting})"
+            for field, value, ceiling, setting in asked if value > ceiling]
+
+
+def _tokenizer(cfg: RunConfig, settings: Settings) -> list[str]:
+    path = Path(cfg.sampler.tokenizer)
+    if not path.is_dir():
+        return [f"sampler.tokenizer: {path} is not a folder (give the model folder the servers serve)"]
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return [f"sampler.tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"]
+    if settings.local_mode:
+        return []
+    real = Path(os.path.realpath(path))
+    roots = settings.model_root_list
+    if not any(real.is_relative_to(os.path.realpath(root)) for root in roots):
+        return [f"sampler.tokenizer: {path} is not under a model folder of this service "
+                f"({', '.join(map(str, roots))}; SWERVE_MODEL_ROOTS adds folders)"]
+    return []
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint_problem(url: str, settings: Settings, field: str) -> str | None:
+    """Why a run may not sample from `url` (None: it may): http(s) only, to a host the operator
+    allowed (SWERVE_ENDPOINT_HOSTS), or to loopback in local mode."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"{field}: {url!r} is not a URL ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{field}: {url!r} must be an http:// or https:// URL with a host"
+    if parts.username or parts.password:
+        return f"{field}: {url!r} must not carry credentials"
+    host = parts.hostname
+    allowed = settings.endpoint_host_list
+    if "*" in allowed or host in allowed or (port is not None and f"{host}:{port}" in allowed):
+        return None
+    if settings.local_mode and _loopback(host):
+        return None
+    return (f"{field}: host {host!r} of {url} is not an allowed inference host; the operator allows it "
+            f"with SWERVE_ENDPOINT_HOSTS (comma-separated{'; loopback is allowed in local mode' if settings.local_mode else ''})")
