@@ -48,12 +48,13 @@ class EmbeddedOptions:
 
 async def progress_counts(engine: AsyncEngine, run_id: uuid.UUID) -> dict:
     """The API's progress of the run, with the token split and the turns for the summary."""
+    from service.control.redaction import Answers
     from service.control.views import progress
     from service.store.db import session_factory
     from service.store.tables import Episode, Run
 
     async with session_factory(engine)() as session:
-        state = await progress(session, await session.get(Run, run_id))
+        state = await progress(session, await session.get(Run, run_id), Answers(shown=True))
         split = (await session.execute(sa.select(
             sa.func.coalesce(sa.func.sum(Episode.input_tokens), 0), sa.func.coalesce(sa.func.sum(Episode.output_tokens), 0),
             sa.func.coalesce(sa.func.sum(Episode.n_turns), 0)).where(Episode.run_id == run_id))).one()  # fmt: skip

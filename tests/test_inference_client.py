@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from service.fleet.client import FleetConfig, ProviderError, SamplingParams, VLLMClient, decode_routed_experts
+from service.fleet.client import FleetConfig, NotVLLM, ProviderError, SamplingParams, VLLMClient, decode_routed_experts
 from service.fleet.stub import create_stub
 from tests.servers import ThreadServer
 
@@ -43,8 +43,10 @@ def test_routed_experts_of_the_wrong_rank_are_refused():
 
 async def test_unknown_model_makes_the_server_unhealthy():
     with ThreadServer(create_stub(model="other")) as stub:
-        with pytest.raises(ProviderError, match="no healthy"):
+        with pytest.raises(NotVLLM, match=r"serves \['other'\], not tiny"):  # answers: waiting will not help
             await VLLMClient(FleetConfig(endpoints=[stub.url], model="tiny")).start()
+        with pytest.raises(ProviderError, match="no healthy inference server: .*probe failed"):  # one is down
+            await VLLMClient(FleetConfig(endpoints=[stub.url, "http://127.0.0.1:9"], model="tiny")).start()
 
 
 def test_fleet_config_refuses_an_empty_fleet():

@@ -182,7 +182,7 @@ async def turn_tokens(session: AsyncSession, answers: Answers, episode_id: uuid.
 async def run_events(session: AsyncSession, answers: Answers, run_id: uuid.UUID, oracle: bool,
                      seen: dict[uuid.UUID, tuple]) -> tuple[dict, list[dict]]:
     """The run's progress and the episodes that changed since `seen` (updated in place)."""
-    state = await progress(session, await get_run(session, run_id))
+    state = await progress(session, await get_run(session, run_id), answers)
     rows = (await session.execute(sa.select(Episode, Task.instance_id).join(Task, Task.id == Episode.task_id)
                                   .where(Episode.run_id == run_id))).all()
     changed = []
