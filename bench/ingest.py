@@ -4,6 +4,12 @@ Each upload goes to a fresh `swerve serve` process (so its peak RSS belongs to t
 streamed from a generated SWE-bench-shaped file with realistic patch sizes.
 
     .venv/bin/python bench/ingest.py [--sizes 1000 5000 10000] [--formats jsonl json]
+    .venv/bin/python bench/ingest.py --line-mb 1 8 64
+
+`--line-mb`: one task whose problem statement is that many MB, for each format: the parser
+alone (this tree's, and the one before the fix that joined a line's pieces chunk by chunk, in
+64 KiB chunks as uvicorn delivers them), then the upload over HTTP with /health polled beside it
+(the longest /health answer shows whether the upload starves the event loop).
 """
 
 from __future__ import annotations
@@ -58,10 +64,10 @@ def peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM")
 
 
-def start_server(db_url: str) -> tuple[subprocess.Popen, str]:
+def start_server(db_url: str, extra_env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = os.environ | {"SWERVE_DATABASE_URL": db_url, "SWERVE_API_TOKEN": TOKEN,
-                        "SWERVE_MAX_UPLOAD_BYTES": str(4 << 30)}
+                        "SWERVE_MAX_UPLOAD_BYTES": str(4 << 30)} | (extra_env or {})
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
@@ -102,14 +108,122 @@ def drop_database(url: str) -> None:
     db.drop_database(ADMIN_URL, url)
 
 
+def long_task(mb: int) -> dict:
+    return {"instance_id": "o__r-1", "repo": "o/r", "base_commit": "a" * 40, "problem_statement": "x" * (mb << 20),
+            "test_patch": "", "FAIL_TO_PASS": ["t::a"], "PASS_TO_PASS": []}
+
+
+async def _chunks(data: bytes, size: int = 1 << 16):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+async def _before_parse_jsonl(chunks):
+    """parse_jsonl before the fix (commit 3289124): a line's pieces joined at every chunk."""
+    import orjson
+
+    pending = b""
+    async for chunk in chunks:
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for raw in lines:
+            if raw.strip():
+                yield orjson.loads(raw)
+    if pending.strip():
+        yield orjson.loads(pending)
+
+
+async def _before_parse_json_array(chunks):
+    """parse_json_array before the fix: ijson fed the 64 KiB chunks as they came."""
+    import ijson
+
+    class Reader:
+        def __init__(self):
+            self.it = aiter(chunks)
+
+        async def read(self, n=-1):
+            if n == 0:
+                return b""
+            try:
+                return await anext(self.it)
+            except StopAsyncIteration:
+                return b""
+
+    async for obj in ijson.items(Reader(), "item", use_float=True):
+        yield obj
+
+
+def parse_seconds(parser, data: bytes) -> float:
+    import asyncio
+
+    async def run():
+        start = time.perf_counter()
+        async for _ in parser(_chunks(data)):
+            pass
+        return time.perf_counter() - start
+
+    return asyncio.run(run())
+
+
+def long_lines(sizes: list[int], url: str) -> None:
+    import threading
+
+    from service.control.suites import parse_json_array, parse_jsonl
+
+    print(f"{'format':7} {'MB':>4} {'parse s':>8} {'before s':>9} {'ratio':>6} {'upload s':>9} {'max /health s':>14}")
+    for fmt in ("jsonl", "json"):
+        for mb in sizes:
+            line = json.dumps(long_task(mb)).encode()
+            data = line + b"\n" if fmt == "jsonl" else b"[" + line + b"]"
+            ours = parse_seconds(parse_jsonl if fmt == "jsonl" else parse_json_array, data)
+            before = parse_seconds(_before_parse_jsonl if fmt == "jsonl" else _before_parse_json_array, data)
+            proc, base = start_server(url, {"SWERVE_MAX_RECORD_BYTES": str(1 << 30)})
+            worst, done = 0.0, threading.Event()
+
+            def poll():
+                nonlocal worst
+                while not done.is_set():
+                    t = time.perf_counter()
+                    httpx.get(f"{base}/api/v1/health", timeout=120)
+                    worst = max(worst, time.perf_counter() - t)
+                    time.sleep(0.05)
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            start = time.perf_counter()
+            r = httpx.post(f"{base}/api/v1/suites", params={"name": f"long-{fmt}-{mb}-{uuid.uuid4().hex[:6]}"},
+                           content=_sync_chunks(data), timeout=600,
+                           headers={"Content-Type": "application/x-ndjson" if fmt == "jsonl" else "application/json",
+                                    "Authorization": f"Bearer {TOKEN}"})
+            upload_s = time.perf_counter() - start
+            done.set()
+            poller.join()
+            proc.terminate()
+            proc.wait(timeout=30)
+            r.raise_for_status()
+            print(f"{fmt:7} {mb:4d} {ours:8.2f} {before:9.2f} {before / ours:6.0f} {upload_s:9.2f} {worst:14.2f}")
+
+
+def _sync_chunks(data: bytes, size: int = 1 << 20):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 10000])
     parser.add_argument("--formats", nargs="+", default=["jsonl", "json"], choices=["jsonl", "json"])
     parser.add_argument("--cache", type=Path, default=ROOT / "var" / "bench")
+    parser.add_argument("--line-mb", type=int, nargs="+", help="time single records of these sizes instead")
     args = parser.parse_args()
 
     url = make_database()
+    if args.line_mb:
+        try:
+            long_lines(args.line_mb, url)
+        finally:
+            drop_database(url)
+        return
     rows = []
     try:
         for fmt in args.formats:

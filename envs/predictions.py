@@ -48,9 +48,10 @@ def load_predictions(path: Path) -> list[Prediction]:
     return parse_predictions(path.read_text(), str(path), as_json=path.suffix == ".json")
 
 
-def parse_predictions(text: str, path: str, as_json: bool) -> list[Prediction]:
-    """`text` as a JSON document (a list, or an object keyed by instance) or as JSON Lines.
-    Raises PredictionsError naming where and what to do."""
+def parse_predictions(text: str, path: str, as_json: bool, max_record_bytes: int | None = None) -> list[Prediction]:
+    """`text` as a JSON document (a list, or an object keyed by instance) or as JSON Lines
+    (each at most `max_record_bytes`, None: any). Raises PredictionsError naming where and
+    what to do."""
     rows: list[tuple[str, object]] = []
     if as_json:
         try:
@@ -67,6 +68,9 @@ def parse_predictions(text: str, path: str, as_json: bool) -> list[Prediction]:
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
+            if max_record_bytes is not None and len(line) > max_record_bytes:
+                raise PredictionsError(f"{path}:{n}: longer than {max_record_bytes} characters (SWERVE_MAX_RECORD_BYTES); "
+                                       "shorten the prediction or raise the limit")
             try:
                 rows.append((f"line {n}", json.loads(line)))
             except json.JSONDecodeError as e:

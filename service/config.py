@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     """Where local models are created and served from. None means `data_dir/models`."""
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
     """Largest suite upload accepted (bytes); larger uploads answer 413."""
+    max_record_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    """Largest single task record of a suite upload (bytes); a larger one is a record error
+    (422) and is never held in memory whole."""
     max_listed_errors: int = Field(1000, gt=0)
     """How many record errors a refused suite upload lists (the total is always given)."""
     orchestrator_lease_s: float = Field(15.0, gt=0)

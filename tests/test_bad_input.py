@@ -79,3 +79,84 @@ async def test_deeply_nested_json_is_refused_not_a_500(app_client):
     r = await app_client.post("/api/v1/evaluations", params={"suite_id": suite_id, "run_id": "deep2"}, content=line,
                               headers=auth() | {"Content-Type": "application/x-ndjson"})
     assert r.status_code == 422 and "predictions" in r.text, r.text[:300]
+
+
+def task_row(i: int, statement_bytes: int = 1) -> dict:
+    return {"instance_id": f"o__r-{i}", "repo": "o/r", "base_commit": "a" * 40, "problem_statement": "p" * statement_bytes,
+            "test_patch": "", "FAIL_TO_PASS": ["t::a"], "PASS_TO_PASS": []}
+
+
+async def chunked(data: bytes, size: int):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+@pytest.mark.parametrize(("chunk", "statement"), [(1, 50), (7, 500), (4096, 300_000), (1 << 20, 3_000_000)])
+async def test_lines_split_anywhere_parse_the_same(chunk, statement):
+    """However the body arrives (a line over many chunks, many lines in one), the records are
+    the same, long lines included (byte-sized chunks only on a short body: a step per byte)."""
+    from service.control.suites import parse_json_array, parse_jsonl
+
+    rows = [task_row(0, statement), task_row(1), task_row(2, statement // 3)]
+    body = ("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2])).encode()
+    got = [p async for p in parse_jsonl(chunked(body, chunk))]
+    assert [p.obj for p in got] == rows and [p.line for p in got] == [1, 2, 4]
+    array = ("[" + ",".join(json.dumps(r) for r in rows) + "]").encode()
+    assert [p.obj async for p in parse_json_array(chunked(array, chunk))] == rows
+
+
+async def test_a_record_over_the_limit_is_named_and_never_held(db_url):
+    from tests.conftest import client_for, make_settings
+
+    limit = 100_000
+    big, small, bad = task_row(0, 3 * limit), task_row(1), task_row(2) | {"FAIL_TO_PASS": "not a list"}
+    async with client_for(make_settings(db_url, max_record_bytes=limit)) as client:
+        body = "\n".join(json.dumps(r) for r in (big, small, bad))
+        r = await client.post("/api/v1/suites", params={"name": "big"}, content=body,
+                              headers=auth() | {"Content-Type": "application/x-ndjson"})
+        assert r.status_code == 422, r.text[:300]
+        errors = r.json()["errors"]
+        assert errors[0]["line"] == 1 and "SWERVE_MAX_RECORD_BYTES" in errors[0]["message"]
+        assert [e["line"] for e in errors] == [1, 3]  # the lines after it are still checked
+        r = await client.post("/api/v1/suites", params={"name": "big"}, content=json.dumps([small, big]),
+                              headers=auth() | {"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["errors"][0]["index"] == 1, r.text[:300]
+        assert "SWERVE_MAX_RECORD_BYTES" in r.json()["errors"][0]["message"]
+        assert (await client.get("/api/v1/suites")).json()["total"] == 0  # nothing imported
+        ok = await client.post("/api/v1/suites", params={"name": "ok"}, content=json.dumps(small),
+                               headers=auth() | {"Content-Type": "application/x-ndjson"})
+        assert ok.status_code == 201, ok.text
+        line = json.dumps({"instance_id": "o__r-1", "model_name_or_path": "m", "model_patch": "x" * (2 * limit)})
+        r = await client.post("/api/v1/evaluations", params={"suite_id": ok.json()["id"], "run_id": "big"},
+                              content=line, headers=auth() | {"Content-Type": "application/x-ndjson"})
+        assert r.status_code == 422 and "SWERVE_MAX_RECORD_BYTES" in r.json()["detail"], r.text[:300]
+
+
+async def test_a_parquet_row_over_the_limit_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from service.control.suites import parse_parquet
+
+    rows = [task_row(0), task_row(1, 50_000)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet")
+    got = [p async for p in parse_parquet(str(tmp_path / "s.parquet"), max_record_bytes=10_000)]
+    assert got[0].obj == rows[0] and got[1].obj is None and "SWERVE_MAX_RECORD_BYTES" in got[1].error
+
+
+async def test_a_json_array_stops_reading_a_record_past_the_limit():
+    """The parser stops taking a record's bytes once it is past the limit and a read, instead
+    of holding all of it (the limit bounds a parser's memory, not only what it accepts)."""
+    from service.control.suites import parse_json_array
+
+    taken = 0
+
+    async def body():
+        nonlocal taken
+        async for chunk in chunked(("[" + json.dumps(task_row(0, 20_000_000)) + "]").encode(), 1 << 16):
+            taken += len(chunk)
+            yield chunk
+
+    got = [p async for p in parse_json_array(body(), max_record_bytes=100_000)]
+    assert len(got) == 1 and got[0].index == 0 and "SWERVE_MAX_RECORD_BYTES" in got[0].error
+    assert taken < 1_000_000  # of 20 MB

@@ -95,17 +95,42 @@ async def limit_size(chunks: AsyncIterable[bytes], limit: int) -> AsyncIterator[
         yield chunk
 
 
-async def parse_jsonl(chunks: AsyncIterable[bytes]) -> AsyncIterator[_Parsed]:
-    line_no, pending = 0, b""
+DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024
+"""Largest single record a parser holds (SWERVE_MAX_RECORD_BYTES sets the service's)."""
+
+
+def _too_large(limit: int) -> str:
+    return (f"record is larger than {limit} bytes (SWERVE_MAX_RECORD_BYTES); shorten it or raise the limit "
+            "(the rest of the upload is still checked, nothing is imported)")
+
+
+async def parse_jsonl(chunks: AsyncIterable[bytes], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                      ) -> AsyncIterator[_Parsed]:  # fmt: skip
+    """One record per line, in time linear in the upload whatever the line lengths (a line's
+    pieces are joined once, at its end) and memory bounded by `max_record_bytes`: a longer
+    line is an error record and its bytes are dropped as they arrive."""
+    line_no, parts, size = 0, [], 0
     async for chunk in chunks:
-        lines = (pending + chunk).split(b"\n")
-        pending = lines.pop()
-        for raw in lines:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
             line_no += 1
-            if raw.strip():
-                yield _decode_line(raw, line_no)
-    if pending.strip():
-        yield _decode_line(pending, line_no + 1)
+            size += end - start
+            if size > max_record_bytes:
+                yield _Parsed(line=line_no, index=None, error=_too_large(max_record_bytes))
+            else:
+                raw = b"".join((*parts, chunk[start:end])) if parts else chunk[start:end]
+                if raw.strip():
+                    yield _decode_line(raw, line_no)
+            parts, size, start = [], 0, end + 1
+        size += len(chunk) - start
+        if size <= max_record_bytes:
+            parts.append(chunk[start:])
+        else:
+            parts = []  # too long already: keep counting, hold nothing
+    if size > max_record_bytes:
+        yield _Parsed(line=line_no + 1, index=None, error=_too_large(max_record_bytes))
+    elif parts and (raw := b"".join(parts)).strip():
+        yield _decode_line(raw, line_no + 1)
 
 
 def _decode_line(raw: bytes, line_no: int) -> _Parsed:
@@ -116,38 +141,67 @@ def _decode_line(raw: bytes, line_no: int) -> _Parsed:
 
 
 class _AsyncReader:
-    """The file-like object ijson's async API reads from."""
+    """The file-like object ijson's async API reads from. It hands ijson reads of up to
+    READ_BYTES (a long string split over many small reads costs ijson time quadratic in their
+    number) and stops a record that grew past the limit and a read (ijson reads ahead, so the
+    bytes read since the last record ended are the record's within a read); the parser then
+    measures each record it gets exactly."""
 
-    def __init__(self, chunks: AsyncIterable[bytes]):
-        self._it, self._first = aiter(chunks), True
+    READ_BYTES = 4 * 1024 * 1024
+
+    def __init__(self, chunks: AsyncIterable[bytes], max_record_bytes: int):
+        self._it, self._first, self._done = aiter(chunks), True, False
+        self.max_record_bytes, self.since_record = max_record_bytes, 0
+        self.read_bytes = min(self.READ_BYTES, max(1 << 16, max_record_bytes))
 
     async def read(self, n: int = -1) -> bytes:
         if n == 0:  # ijson probes the type of what read() returns
             return b""
-        try:
-            chunk = await anext(self._it)
-        except StopAsyncIteration:
-            return b""
-        if self._first and chunk.strip():
+        parts, size = [], 0
+        while not self._done and size < self.read_bytes:
+            try:
+                chunk = await anext(self._it)
+            except StopAsyncIteration:
+                self._done = True
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        data = b"".join(parts)
+        if self._first and data.strip():
             self._first = False
-            if not chunk.lstrip().startswith(b"["):
+            if not data.lstrip().startswith(b"["):
                 raise _NotAnArray
-        return chunk or b" "
+        if self.since_record > self.max_record_bytes + self.read_bytes:  # before this read: ijson holds them
+            raise _RecordTooLarge
+        self.since_record += len(data)
+        return data or (b"" if self._done else b" ")
 
 
 class _NotAnArray(Exception):
     pass
 
 
-async def parse_json_array(chunks: AsyncIterable[bytes]) -> AsyncIterator[_Parsed]:
+class _RecordTooLarge(Exception):
+    pass
+
+
+async def parse_json_array(chunks: AsyncIterable[bytes], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                           ) -> AsyncIterator[_Parsed]:  # fmt: skip
     index = 0
+    reader = _AsyncReader(chunks, max_record_bytes)
     try:
-        async for obj in ijson.items(_AsyncReader(chunks), "item", use_float=True):
-            yield _Parsed(line=None, index=index, obj=obj)
+        async for obj in ijson.items(reader, "item", use_float=True, buf_size=reader.read_bytes):
+            if _size(obj) > max_record_bytes:  # held, but never more than the limit and two reads
+                yield _Parsed(line=None, index=index, error=_too_large(max_record_bytes))
+            else:
+                yield _Parsed(line=None, index=index, obj=obj)
+            reader.since_record = 0
             index += 1
     except _NotAnArray:
         yield _Parsed(line=None, index=None, error="a JSON suite must be an array of task "
                       "objects; send JSONL as application/x-ndjson")
+    except _RecordTooLarge:  # an array cannot be resynchronised past a record: the upload stops here
+        yield _Parsed(line=None, index=index, error=_too_large(max_record_bytes))
     except ijson.JSONError as e:
         yield _Parsed(line=None, index=index, error=f"malformed JSON after record {index}: {e}")
 
@@ -265,7 +319,8 @@ def parser_for(content_type: str) -> Any:
     return None
 
 
-async def parse_parquet_upload(chunks: AsyncIterable[bytes]) -> AsyncIterator[_Parsed]:
+async def parse_parquet_upload(chunks: AsyncIterable[bytes], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                               ) -> AsyncIterator[_Parsed]:  # fmt: skip
     """An uploaded Parquet file's rows: the body is spooled to a temporary file first (Parquet's
     index is at its end), the rows then read one row group at a time."""
     import tempfile
@@ -274,11 +329,11 @@ async def parse_parquet_upload(chunks: AsyncIterable[bytes]) -> AsyncIterator[_P
         async for chunk in chunks:
             await asyncio.to_thread(spool.write, chunk)
         await asyncio.to_thread(spool.flush)
-        async for parsed in parse_parquet(spool.name):
+        async for parsed in parse_parquet(spool.name, max_record_bytes):
             yield parsed
 
 
-async def parse_parquet(path: str) -> AsyncIterator[_Parsed]:
+async def parse_parquet(path: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> AsyncIterator[_Parsed]:
     """A Parquet file's rows (as the Hugging Face datasets ship them), one row group at a time."""
     import pyarrow.parquet as pq
 
@@ -290,8 +345,30 @@ async def parse_parquet(path: str) -> AsyncIterator[_Parsed]:
     index = 0
     for group in range(file.num_row_groups):
         for obj in file.read_row_group(group).to_pylist():
-            yield _Parsed(line=None, index=index, obj=obj)
+            if _size(obj) > max_record_bytes:
+                yield _Parsed(line=None, index=index, error=_too_large(max_record_bytes))
+            else:
+                yield _Parsed(line=None, index=index, obj=obj)
             index += 1
+
+
+def _size(value: Any) -> int:
+    """About the bytes a record's JSON would take (its strings' lengths); iterative, so a
+    record nested thousands deep is measured, not a RecursionError."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (str, bytes)):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(str(k)) for k in item)
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += len(item)
+            stack.extend(item)
+        else:
+            total += 8
+    return total
 
 
 def records_of_file(path: str) -> AsyncIterator[_Parsed]:

@@ -80,7 +80,7 @@ async def upload_suite(
         raise importer.UploadTooLarge(settings.max_upload_bytes)
     chunks = importer.limit_size(request.stream(), settings.max_upload_bytes)
     result = await importer.import_suite(
-        engine, name, parse(chunks), max_listed_errors=settings.max_listed_errors, fmt=format,
+        engine, name, parse(chunks, settings.max_record_bytes), max_listed_errors=settings.max_listed_errors, fmt=format,
         source_roots=settings.source_root_list,
     )
     return SuiteCreated(id=result.suite_id, name=result.name, task_count=result.task_count)
