@@ -56,8 +56,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             job.cancel()
         await app.state.engine.dispose()
 
-    app = FastAPI(title="swerve", version="0.1.0", lifespan=lifespan,
-                  description="Rollout service for RL of coding agents.")
+    app = FastAPI(title="swerve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Rollout service for RL of coding agents.")  # /docs: service.ui, no CDN
     app.state.settings = settings
     for module in (health, suites, tasks, runs, evaluations):
         app.include_router(module.router, prefix="/api/v1")

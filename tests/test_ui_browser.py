@@ -273,3 +273,54 @@ def test_answers_are_redacted_without_the_token(service, browser):
     page.wait_for_selector("#show-answers")
     assert page.locator(".turn .redacted").count() == 50
     assert p.errors == []
+
+
+def test_the_api_docs_render_from_packaged_assets_under_the_csp(service, browser):
+    p = Page(browser, service["url"], token=None)
+    requests = []
+    p.page.on("request", lambda r: requests.append(r.url))
+    p.page.goto(service["url"] + "/docs")
+    p.page.wait_for_selector(".opblock")
+    assert p.page.locator(".opblock").count() >= 20 and "swerve" in p.page.locator(".info .title").inner_text()
+    assert "content-security-policy" in httpx.get(service["url"] + "/docs").headers
+    assert all(u.startswith(service["url"]) or u.startswith("data:") for u in requests), requests  # no CDN
+    p.shot("api-docs")
+    assert p.errors == []  # a CSP violation is a console error
+
+
+def test_more_turns_arrive_once_however_they_are_asked_for(service, browser):
+    """The button's click and the observer seeing it ask at the same moment: one fetch, no
+    turn twice."""
+    p = Page(browser, service["url"])
+    page = p.open(f"/episodes/{service['long_hostile']}")
+    assert page.locator(".turn").count() == 50
+    # in one task: the button comes into view (the observer will fire) and is clicked
+    page.evaluate("(() => { const b = document.getElementById('more-turns'); b.scrollIntoView(); b.click(); })()")
+    page.wait_for_selector("#turn-54")
+    page.wait_for_timeout(500)  # let any second fetch land
+    idx = page.evaluate("Array.from(document.querySelectorAll('.turn')).map((t) => t.dataset.idx)")
+    assert idx == [str(i) for i in range(55)], idx
+    assert p.errors == []
+
+
+def test_shading_is_tried_again_when_the_tokenizer_is_not_ready(service, browser):
+    """A 409 (the tokenizer still loading after a restart) is tried again, and the turn is
+    shaded once the server answers."""
+    client = service["client"]
+    episode = client.get(f"/api/v1/runs/{service['model']}/episodes").json()["items"][0]
+    p = Page(browser, service["url"])
+    refused = []
+
+    def first_two_refused(route):
+        if len(refused) < 2:
+            refused.append(route.request.url)
+            route.fulfill(status=409, content_type="application/json", body='{"detail": "tokenizer loading"}')
+        else:
+            route.continue_()
+
+    p.page.route("**/tokens?turn=0", first_two_refused)
+    page = p.open(f"/episodes/{episode['id']}")
+    page.check("#shade")
+    page.wait_for_selector("#turn-0 pre.shaded .tok", timeout=15_000)
+    assert len(refused) == 2 and page.locator("#turn-0").get_attribute("data-shaded") == "yes"
+    assert [e for e in p.errors if "409" not in e] == []  # the browser logs the refused fetches themselves

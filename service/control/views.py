@@ -172,7 +172,8 @@ async def turn_tokens(session: AsyncSession, answers: Answers, episode_id: uuid.
     try:
         tok = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
     except Exception as e:  # noqa: BLE001 - any loading failure: say which folder
-        raise TokenizerUnavailable(f"the run's tokenizer {tokenizer_dir} cannot be loaded: {type(e).__name__}") from e
+        raise TokenizerUnavailable(answers.error(f"the run's tokenizer {tokenizer_dir} cannot be loaded: "
+                                                 f"{type(e).__name__}")) from e
     ids = decode_array(row.output_ids).tolist()
     logprobs = decode_array(row.output_logprobs).tolist() if row.output_logprobs else [None] * len(ids)
     return {"turn": turn, "tokens": [{"id": i, "text": tok.decode([i], skip_special_tokens=False), "logprob": lp}

@@ -12,6 +12,7 @@ import base64
 import io
 import logging
 import random
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -367,9 +368,19 @@ def _served_models(answer) -> list[dict] | str:
     return data
 
 
-@lru_cache(maxsize=8)
+_TOKENIZER_LOAD = threading.Lock()
+
+
 def load_tokenizer(path: str):
-    """The tokenizer and chat template of a model folder (the one the fleet serves), cached."""
+    """The tokenizer and chat template of a model folder (the one the fleet serves), cached.
+    Loaded one at a time: concurrent first loads of one folder (the episode viewer shades
+    several turns at once after a restart) could fail, and a failure is not cached."""
+    with _TOKENIZER_LOAD:
+        return _load_tokenizer(path)
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -47,6 +47,12 @@ def diff_lines(diff: str | None) -> list[tuple[str, str]]:
     return out
 
 
+@router.get("/docs", response_class=HTMLResponse)
+async def api_docs(request: Request):
+    """The OpenAPI docs: Swagger UI served from static/vendor, under the UI's CSP."""
+    return templates.TemplateResponse(request, "docs.html", {"openapi_url": request.app.openapi_url})
+
+
 @router.get("/", response_class=HTMLResponse)
 async def runs_page(request: Request, session: SessionDep, answers: AnswersDep,
                     limit: int = Query(100, ge=1, le=1000)):  # fmt: skip

@@ -248,7 +248,13 @@ function episodePage() {
   const episode = nav.dataset.episode;
   let loaded = Number(nav.dataset.loaded);
   const total = Number(nav.dataset.turns);
-  async function loadMore() {
+  // one fetch at a time: the button's click and the observer seeing it can both ask at once
+  let loading = null;
+  function loadMore() {
+    if (!loading) loading = fetchMore().finally(() => { loading = null; });
+    return loading;
+  }
+  async function fetchMore() {
     if (loaded >= total) return false;
     const response = await fetch(`/api/v1/episodes/${encodeURIComponent(episode)}?turns_offset=${loaded}&turns_limit=100`);
     const body = await response.json();
@@ -299,9 +305,22 @@ function episodePage() {
   const shade = document.getElementById("shade");
   async function shadeTurn(li) {
     if (li.dataset.shaded) return;
+    li.dataset.shaded = "loading";
+    const url = `/api/v1/episodes/${encodeURIComponent(episode)}/tokens?turn=${li.dataset.idx}`;
+    let response = null;
+    // a tokenizer still loading (409) or a server restarting (5xx, no answer) is tried again
+    for (let attempt = 0; attempt < 5; attempt++) {
+      if (attempt) await new Promise((done) => setTimeout(done, 250 * 2 ** attempt));
+      try { response = await fetch(url); } catch (e) { response = null; continue; }
+      if (response.ok || (response.status !== 409 && response.status < 500)) break;
+    }
+    if (!response || !response.ok) {  // unshaded; toggling the box again tries again
+      li.dataset.shaded = "";
+      li.dataset.shadeError = response ? String(response.status) : "no answer";
+      return;
+    }
     li.dataset.shaded = "yes";
-    const response = await fetch(`/api/v1/episodes/${encodeURIComponent(episode)}/tokens?turn=${li.dataset.idx}`);
-    if (!response.ok) { li.dataset.shaded = `error ${response.status}`; return; }
+    delete li.dataset.shadeError;
     const body = await response.json();
     const pre = el("pre", "assistant shaded");
     body.tokens.forEach((t) => {
