@@ -82,6 +82,68 @@ def _have_image(client, image: str) -> None:
                            "or give the engine access to the registry") from e
 
 
+DISK_LIMIT_ENV = "SWERVE_DOCKER_DISK_LIMIT"
+"""`enforce` (the default): a container's writes to its image (the work tree included) are
+limited to `disk_mb` by the engine, and a sandbox is refused on an engine that cannot limit
+them; `tmp-only`: such an engine is accepted with only /tmp limited (the operator's choice)."""
+_TOTAL_DRIVERS = ("btrfs", "zfs")
+"""Storage drivers whose `--storage-opt size` limits the image and the container's writes
+together (btrfs: the snapshot's referenced bytes): the image's size is added to disk_mb."""
+_disk_modes: dict[str, tuple[str | None, str]] = {}
+_image_sizes: dict[str, int] = {}
+
+
+def disk_limit_mode(client, image: str) -> tuple[str | None, str]:
+    """How this engine limits a container's writes: "layer" (`--storage-opt size` applies to
+    the writable layer: overlay2 on xfs with project quotas), "total" (to image and writes:
+    btrfs, zfs), or None, and what the engine is. Probed once per engine: overlay2 takes the
+    option only where its xfs is mounted with pquota, which `docker info` does not say (the
+    probe creates, and removes, a container of `image`)."""
+    import docker
+
+    info = client.info()
+    key = info.get("ID") or str(client.api.base_url)
+    if key in _disk_modes:
+        return _disk_modes[key]
+    driver = info.get("Driver", "?")
+    backing = dict(info.get("DriverStatus") or []).get("Backing Filesystem", "?")
+    what = f"storage driver {driver} on {backing}"
+    mode = "total" if driver in _TOTAL_DRIVERS else "layer" if driver == "overlay2" and backing == "xfs" else None
+    if mode is not None:
+        try:
+            size = _image_size(client, image) if mode == "total" else 0
+            probe = client.containers.create(image, ["true"], storage_opt={"size": f"{size // 2**20 + 64}M"},
+                                             network_mode="none", labels={LABEL: "disk-probe"})
+            probe.remove(force=True)
+        except docker.errors.DockerException as e:
+            mode, what = None, f"{what}, which refused --storage-opt size ({str(e)[:200]})"
+    _disk_modes[key] = (mode, what)
+    return _disk_modes[key]
+
+
+def _image_size(client, image: str) -> int:
+    if image not in _image_sizes:
+        _image_sizes[image] = int(client.images.get(image).attrs.get("Size") or 0)
+    return _image_sizes[image]
+
+
+def _storage_opt(client, image: str, limits: SandboxLimits) -> dict[str, str]:
+    """The engine's limit on what the container writes outside /tmp (the work tree, the
+    system): disk_mb, as bubblewrap's sandboxes have. Raises SandboxError where the engine
+    cannot enforce it, unless the operator accepted that (SWERVE_DOCKER_DISK_LIMIT=tmp-only)."""
+    mode, what = disk_limit_mode(client, image)
+    if mode is None:
+        if os.environ.get(DISK_LIMIT_ENV, "enforce") == "tmp-only":
+            return {}
+        raise SandboxError(
+            f"this Docker engine cannot limit a container's disk ({what}): limits.disk_mb would hold for /tmp "
+            "only and the agent could fill the host's disk through its work tree. Run dockerd with its data on "
+            "btrfs (--storage-driver btrfs), zfs, or overlay2 on xfs mounted with pquota (see the README), or "
+            f"set {DISK_LIMIT_ENV}=tmp-only to accept containers whose work tree is not limited")
+    extra = _image_size(client, image) // 2**20 if mode == "total" else 0
+    return {"size": f"{limits.disk_mb + extra}M"}
+
+
 class DockerSandbox(ShellSandbox):
     def __init__(self, config, container, client):
         super().__init__()
@@ -119,6 +181,7 @@ class DockerSandbox(ShellSandbox):
         except NetworkError as e:
             raise SandboxError(str(e)) from e
         _have_image(client, image)
+        storage_opt = _storage_opt(client, image, limits)
         try:
             return client.containers.run(
                 image, ["sleep", "infinity"], name=sandbox_id, detach=True, init=True,
@@ -128,7 +191,7 @@ class DockerSandbox(ShellSandbox):
                 nano_cpus=int(limits.cpus * 1e9), pids_limit=limits.pids,
                 cap_drop=["ALL"], cap_add=["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL"],
                 security_opt=["no-new-privileges"],
-                tmpfs={"/tmp": f"size={limits.disk_mb}m,mode=1777"},
+                tmpfs={"/tmp": f"size={limits.disk_mb}m,mode=1777"}, storage_opt=storage_opt or None,
                 environment={"HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat",
                              "GIT_PAGER": "cat", "PYTHONDONTWRITEBYTECODE": "1"}
                 # the base image (builds, and through their commit every task image made from it)

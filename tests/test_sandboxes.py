@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes.base import SandboxError, open_sandbox
+from sandboxes.base import SandboxError, SandboxLimits, open_sandbox
 from tests.sandbox_fixtures import backend, make_config  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
@@ -198,11 +198,31 @@ async def test_lifetime_ends_the_sandbox(backend, tmp_path):
             await sb.execute("echo still up")
 
 
-async def test_bwrap_disk_limit(tmp_path):
-    from tests.sandbox_fixtures import require_bwrap
-
-    require_bwrap()
-    async with open_sandbox(make_config("bwrap", tmp_path, disk_mb=32)) as sb:
+async def test_disk_limit_holds_for_the_work_tree(backend, tmp_path):
+    """disk_mb bounds what the agent writes into its work tree on both backends (Docker: the
+    engine's --storage-opt size), and what it removes is free again."""
+    async with open_sandbox(make_config(backend, tmp_path, disk_mb=32)) as sb:
         r = await sb.execute("head -c 64000000 /dev/zero > /work/big")
-        assert r.exit_code != 0 and "No space left" in r.output
+        assert r.exit_code != 0 and ("No space left" in r.output or "Disk quota exceeded" in r.output), r.output
+        assert int((await sb.execute("stat -c %s /work/big")).output) <= 32 * 2**20
         assert (await sb.execute("rm /work/big && echo freed")).output == "freed\n"
+        assert (await sb.execute("head -c 4000000 /dev/zero > /work/small && echo wrote")).output == "wrote\n"
+
+
+@pytest.mark.docker
+async def test_an_engine_that_cannot_limit_disk_is_refused_clearly(monkeypatch):
+    """Where the engine cannot limit a container's writes, no sandbox starts unless the
+    operator accepts a work tree without a limit (SWERVE_DOCKER_DISK_LIMIT=tmp-only)."""
+    from sandboxes import docker as docker_sandbox
+    from sandboxes.config import DockerSandboxConfig
+    from tests.sandbox_fixtures import require_docker
+
+    require_docker()
+    monkeypatch.setattr(docker_sandbox, "disk_limit_mode", lambda client, image: (None, "storage driver vfs on extfs"))
+    with pytest.raises(SandboxError, match="cannot limit a container's disk .storage driver vfs on extfs.*"
+                                           "SWERVE_DOCKER_DISK_LIMIT=tmp-only"):
+        async with open_sandbox(DockerSandboxConfig(limits=SandboxLimits(disk_mb=32))):
+            pass
+    monkeypatch.setenv("SWERVE_DOCKER_DISK_LIMIT", "tmp-only")
+    async with open_sandbox(DockerSandboxConfig(limits=SandboxLimits(disk_mb=32))) as sb:
+        assert (await sb.execute("echo up")).output == "up\n"
