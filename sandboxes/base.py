@@ -77,12 +77,16 @@ class SandboxLimits(BaseModel):
 
 @asynccontextmanager
 async def open_sandbox(config) -> AsyncIterator[Sandbox]:
-    """Start a sandbox from a config with a build() method; close it whatever happens."""
-    sandbox = await config.build()
-    try:
-        yield sandbox
-    finally:
-        await sandbox.close()
+    """Start a sandbox from a config with a build() method once the host admits it (a live
+    slot and a start instant, sandboxes/admission.py); close it whatever happens."""
+    from sandboxes.admission import admitted
+
+    async with admitted(getattr(config, "type", "sandbox")):
+        sandbox = await config.build()
+        try:
+            yield sandbox
+        finally:
+            await sandbox.close()
 
 
 PYTHON_ENV = ".venv"

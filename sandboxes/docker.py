@@ -122,9 +122,10 @@ def disk_limit_mode(client, image: str) -> tuple[str | None, str]:
 
 
 def _image_size(client, image: str) -> int:
-    if image not in _image_sizes:
-        _image_sizes[image] = int(client.images.get(image).attrs.get("Size") or 0)
-    return _image_sizes[image]
+    key = f"{client.api.base_url} {image}"
+    if key not in _image_sizes:
+        _image_sizes[key] = int(client.images.get(image).attrs.get("Size") or 0)
+    return _image_sizes[key]
 
 
 def _storage_opt(client, image: str, limits: SandboxLimits) -> dict[str, str]:

@@ -29,6 +29,9 @@ PG_ADMIN_URL = os.environ.get(
 # settings are read, so servers started as subprocesses have them too.
 os.environ.setdefault("SWERVE_ENDPOINT_HOSTS", "127.0.0.1,localhost")
 os.environ.setdefault("SWERVE_MODEL_ROOTS", tempfile.gettempdir())
+# The engine tests run on is overlay2 on ext4, which cannot limit a container's disk: accepted
+# here, as an operator may; tests/test_sandboxes.py proves the limit on a btrfs engine.
+os.environ.setdefault("SWERVE_DOCKER_DISK_LIMIT", "tmp-only")
 TABLES = ("evaluation_instances", "evaluations", "turns", "episodes", "groups", "runs", "tasks", "suites", "policies")
 
 

@@ -51,3 +51,52 @@ def backend(request) -> str:
     else:
         require_docker()
     return request.param
+
+
+@pytest.fixture(scope="session")
+def btrfs_docker():
+    """A second Docker engine whose data is on btrfs (a sparse loop file), where the engine
+    limits what a container writes (--storage-opt size); the base image copied in from the
+    main engine. Yields its DOCKER_HOST. Needs root, btrfs-progs and loop devices."""
+    import subprocess
+    import tempfile
+    import time
+
+    from sandboxes.images import BASE_IMAGE
+
+    require_docker()
+    if os.geteuid() != 0 or shutil.which("mkfs.btrfs") is None or shutil.which("dockerd") is None:
+        missing_service("a btrfs Docker engine (root, dockerd, apt-get install btrfs-progs)")
+    root = Path(tempfile.mkdtemp(prefix="swerve-btrfs-"))
+    data, host = root / "data", f"unix://{root}/docker.sock"
+    data.mkdir()
+    subprocess.run(["truncate", "-s", "16G", str(root / "fs.img")], check=True)
+    subprocess.run(["mkfs.btrfs", "-q", str(root / "fs.img")], check=True, capture_output=True)
+    mounted = subprocess.run(["mount", "-o", "loop", str(root / "fs.img"), str(data)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        missing_service(f"a loop-mounted btrfs for a second Docker engine ({mounted.stderr.strip()})")
+    log = open(root / "dockerd.log", "w")
+    engine = subprocess.Popen(["dockerd", "--data-root", str(data), "--storage-driver", "btrfs", "-H", host,
+                               "--pidfile", str(root / "docker.pid"), "--exec-root", str(root / "exec"),
+                               "--bridge", "none", "--iptables=false"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        env = os.environ | {"DOCKER_HOST": host}
+        for _ in range(60):
+            if subprocess.run(["docker", "info"], env=env, capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
+        else:
+            missing_service(f"a btrfs Docker engine: dockerd did not start ({(root / 'dockerd.log').read_text()[-500:]})")
+        subprocess.run(f"docker save {BASE_IMAGE} | DOCKER_HOST={host} docker load -q", shell=True, check=True,
+                       capture_output=True)
+        yield host
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+        log.close()
+        subprocess.run(["umount", "-l", str(data)], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)

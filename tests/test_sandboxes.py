@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes.base import SandboxError, SandboxLimits, open_sandbox
-from tests.sandbox_fixtures import backend, make_config  # noqa: F401 - fixture
+from tests.sandbox_fixtures import backend, btrfs_docker, make_config, require_bwrap  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 
@@ -198,9 +198,16 @@ async def test_lifetime_ends_the_sandbox(backend, tmp_path):
             await sb.execute("echo still up")
 
 
-async def test_disk_limit_holds_for_the_work_tree(backend, tmp_path):
+@pytest.mark.parametrize("backend", ["bwrap", pytest.param("docker", marks=pytest.mark.docker)])
+async def test_disk_limit_holds_for_the_work_tree(backend, tmp_path, request, monkeypatch):
     """disk_mb bounds what the agent writes into its work tree on both backends (Docker: the
-    engine's --storage-opt size), and what it removes is free again."""
+    engine's --storage-opt size, on an engine with its data on btrfs), and what it removes is
+    free again."""
+    if backend == "bwrap":
+        require_bwrap()
+    else:
+        monkeypatch.setenv("DOCKER_HOST", request.getfixturevalue("btrfs_docker"))
+        monkeypatch.setenv("SWERVE_DOCKER_DISK_LIMIT", "enforce")
     async with open_sandbox(make_config(backend, tmp_path, disk_mb=32)) as sb:
         r = await sb.execute("head -c 64000000 /dev/zero > /work/big")
         assert r.exit_code != 0 and ("No space left" in r.output or "Disk quota exceeded" in r.output), r.output
@@ -218,6 +225,7 @@ async def test_an_engine_that_cannot_limit_disk_is_refused_clearly(monkeypatch):
     from tests.sandbox_fixtures import require_docker
 
     require_docker()
+    monkeypatch.setenv("SWERVE_DOCKER_DISK_LIMIT", "enforce")
     monkeypatch.setattr(docker_sandbox, "disk_limit_mode", lambda client, image: (None, "storage driver vfs on extfs"))
     with pytest.raises(SandboxError, match="cannot limit a container's disk .storage driver vfs on extfs.*"
                                            "SWERVE_DOCKER_DISK_LIMIT=tmp-only"):

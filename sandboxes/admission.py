@@ -1,0 +1,123 @@
+"""Admission of new sandboxes on a host: at most SWERVE_SANDBOX_MAX_LIVE alive at once and
+SWERVE_SANDBOX_STARTS_PER_S started per second, counted across every process of the host
+(workers, the API's validations, builds). A sandbox over either limit waits its turn (back-
+pressure) instead of failing: 16-96 agents started at once overload a Docker daemon (SkyRL #9,
+rllm #269), and its errors would end episodes that only had to wait.
+
+Both limits live in files under the sandboxes' state folder, so they need no service:
+- a live sandbox holds an exclusive flock on one of MAX_LIVE slot files; the kernel releases it
+  when the sandbox closes or its process dies, so a crash never leaks a slot;
+- starts are paced by one file holding the time the next start may begin, read and moved on
+  under an flock: each start takes the next free instant, at least 1/STARTS_PER_S apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandboxes.reaper import state_root
+
+logger = logging.getLogger(__name__)
+MAX_LIVE_ENV, STARTS_ENV = "SWERVE_SANDBOX_MAX_LIVE", "SWERVE_SANDBOX_STARTS_PER_S"
+
+
+def _setting(name: str, default: float, kind=int):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: must be a {'whole ' if kind is int else ''}number above 0") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{name}={raw!r}: must be a finite number above 0")
+    return value
+
+
+def max_live() -> int:
+    """Sandboxes alive at once on this host (default: 32 per core, at least 64)."""
+    return _setting(MAX_LIVE_ENV, max(64, 32 * (os.cpu_count() or 1)))
+
+
+def starts_per_s() -> float:
+    """Sandbox starts per second on this host (default 10)."""
+    return _setting(STARTS_ENV, 10.0, float)
+
+
+@dataclass
+class Stats:
+    """What this process's admissions waited (for benchmarks and logs)."""
+
+    admitted: int = 0
+    waited_s: list[float] = field(default_factory=list)
+
+
+STATS = Stats()
+
+
+def _folder() -> Path:
+    folder = state_root() / "admission"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
+
+
+def _try_slot(folder: Path, limit: int) -> int | None:
+    """An open fd holding the flock of a free slot, or None when all `limit` are held."""
+    for i in random.sample(range(limit), limit):
+        fd = os.open(folder / f"live-{i}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
+    return None
+
+
+def _next_start(folder: Path, rate: float) -> float:
+    """Reserve the next start instant (time.time()); every process shares the schedule."""
+    fd = os.open(folder / "starts", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        raw = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        try:
+            earliest = float(raw)
+        except ValueError:
+            earliest = 0.0
+        now = time.time()
+        mine = max(now, earliest if earliest < now + 3600 else now)  # a clock moved back an hour: start over
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{mine + 1.0 / rate:.6f}".encode(), 0)
+        return mine
+    finally:
+        os.close(fd)
+
+
+@asynccontextmanager
+async def admitted(what: str = "sandbox") -> AsyncIterator[None]:
+    """Wait for a live slot and a start instant, hold the slot until the block ends."""
+    folder, limit, rate = _folder(), max_live(), starts_per_s()
+    asked, delay, warned = time.monotonic(), 0.02, False
+    while (fd := await asyncio.to_thread(_try_slot, folder, limit)) is None:
+        if not warned and time.monotonic() - asked > 5:
+            logger.info("%s waits: %d sandboxes are alive on this host (%s)", what, limit, MAX_LIVE_ENV)
+            warned = True
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, 1.0)
+    try:
+        start_at = await asyncio.to_thread(_next_start, folder, rate)
+        if (wait := start_at - time.time()) > 0:
+            await asyncio.sleep(wait)
+        STATS.admitted += 1
+        STATS.waited_s.append(time.monotonic() - asked)
+        yield
+    finally:
+        os.close(fd)  # releases the flock: the slot is free for the next sandbox

@@ -1,0 +1,122 @@
+"""Sandbox admission on a host (sandboxes/admission.py): the live cap and the start rate hold
+across processes, a waiting sandbox is admitted once a slot frees (back-pressure, no error), a
+killed process gives its slot back, and real sandboxes go through it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sandboxes import admission
+from sandboxes.base import open_sandbox
+from tests.sandbox_fixtures import make_config, require_bwrap
+
+ROOT = Path(__file__).resolve().parents[1]
+HOLDER = """
+import asyncio, json, sys, time
+from sandboxes.admission import admitted
+
+async def hold(i):
+    asked = time.time()
+    async with admitted():
+        entered = time.time()
+        await asyncio.sleep(float(sys.argv[2]))
+        left = time.time()
+    print(json.dumps([asked, entered, left]), flush=True)
+
+async def main():
+    await asyncio.gather(*(hold(i) for i in range(int(sys.argv[1]))))
+
+asyncio.run(main())
+"""
+
+
+def holders(tmp_path: Path, processes: int, each: int, hold_s: float, **env) -> list[list[float]]:
+    environ = os.environ | {"SWERVE_SANDBOX_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)} | env
+    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, str(each), str(hold_s)], env=environ,
+                              stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    spans = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        spans += [json.loads(line) for line in out.splitlines()]
+    return spans
+
+
+def most_at_once(spans: list[list[float]]) -> int:
+    events = sorted([(s[1], 1) for s in spans] + [(s[2], -1) for s in spans])
+    live = peak = 0
+    for _, step in events:
+        live += step
+        peak = max(peak, live)
+    return peak
+
+
+def test_the_live_cap_holds_across_processes(tmp_path):
+    spans = holders(tmp_path, processes=3, each=4, hold_s=0.3,
+                    SWERVE_SANDBOX_MAX_LIVE="5", SWERVE_SANDBOX_STARTS_PER_S="1000")
+    assert len(spans) == 12  # every one admitted in the end: they waited, none failed
+    assert most_at_once(spans) == 5
+    # the ones that waited entered only as others left
+    assert sum(1 for s in spans if s[1] - s[0] > 0.25) >= 7 - 1
+
+
+def test_starts_are_paced_across_processes(tmp_path):
+    rate, n = 20.0, 10
+    spans = holders(tmp_path, processes=2, each=n // 2, hold_s=0.0,
+                    SWERVE_SANDBOX_MAX_LIVE="100", SWERVE_SANDBOX_STARTS_PER_S=str(rate))
+    first_asked, last_entered = min(s[0] for s in spans), max(s[1] for s in spans)
+    assert last_entered - first_asked >= (n - 1) / rate  # each start reserves its own instant, 1/rate apart
+
+
+def test_a_killed_process_gives_its_slot_back(tmp_path):
+    env = os.environ | {"SWERVE_SANDBOX_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "SWERVE_SANDBOX_MAX_LIVE": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, "1", "600"], env=env)
+    try:
+        (tmp_path / "admission").mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + 30
+        while (fd := admission._try_slot(tmp_path / "admission", 1)) is not None and time.monotonic() < deadline:
+            os.close(fd)  # free still: give it back and look again once the child has started
+            time.sleep(0.05)
+        assert fd is None  # the child holds the only slot
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    fd = admission._try_slot(tmp_path / "admission", 1)
+    assert fd is not None
+    os.close(fd)
+
+
+@pytest.mark.parametrize(("name", "value"), [("SWERVE_SANDBOX_MAX_LIVE", "0"), ("SWERVE_SANDBOX_MAX_LIVE", "many"),
+                                             ("SWERVE_SANDBOX_STARTS_PER_S", "inf"), ("SWERVE_SANDBOX_STARTS_PER_S", "-1")])
+def test_bad_settings_are_named(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        admission.max_live() if "LIVE" in name else admission.starts_per_s()
+
+
+async def test_real_sandboxes_wait_for_a_slot(tmp_path, monkeypatch):
+    require_bwrap()
+    monkeypatch.setenv("SWERVE_SANDBOX_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("SWERVE_SANDBOX_MAX_LIVE", "2")
+    live, peak = 0, 0
+
+    async def episode(i: int) -> str:
+        nonlocal live, peak
+        async with open_sandbox(make_config("bwrap", tmp_path / f"s{i}")) as sb:
+            live += 1
+            peak = max(peak, live)
+            out = (await sb.execute(f"sleep 0.3; echo {i}")).output
+            live -= 1
+            return out
+
+    assert await asyncio.gather(*(episode(i) for i in range(5))) == [f"{i}\n" for i in range(5)]
+    assert peak == 2
