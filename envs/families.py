@@ -488,9 +488,10 @@ def build_task(draft: Draft, name: str, family: Family, tmp: Path, bundles_dir: 
 
 
 def generate(family: str, n: int, seed: int, split: str, out: Path, *, bundles_dir: Path | None = None,
-             distractors: int | None = None) -> list[dict]:
+             distractors: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """Write `out` (JSONL) and one bundle per task into `bundles_dir` (default: out's folder's
-    `bundles`); return the rows. Raises ValueError for bad arguments, GenerationError for a bad task."""
+    `bundles`); return the rows. `progress(done, n)` is called after each task. Raises
+    ValueError for bad arguments, GenerationError for a bad task."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     if split not in SPLITS:
@@ -504,9 +505,12 @@ def generate(family: str, n: int, seed: int, split: str, out: Path, *, bundles_d
     bundles_dir = bundles_dir or out.parent / "bundles"
     bundles_dir.mkdir(parents=True, exist_ok=True)
     drafts = fam.draw(random.Random(f"{family}:{split}:{seed}:{distractors}"), n, split, distractors)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [build_task(d, f"{family}-{split}-{seed}-d{distractors}-{i}", fam, Path(tmp), bundles_dir)
-                for i, d in enumerate(drafts)]
+        for i, d in enumerate(drafts):
+            rows.append(build_task(d, f"{family}-{split}-{seed}-d{distractors}-{i}", fam, Path(tmp), bundles_dir))
+            if progress is not None:
+                progress(i + 1, n)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
     return rows

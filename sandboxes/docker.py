@@ -102,7 +102,7 @@ def disk_limit_mode(client, image: str) -> tuple[str | None, str]:
     import docker
 
     info = client.info()
-    key = info.get("ID") or str(client.api.base_url)
+    key = f"{info.get('ID')} {info.get('DockerRootDir')} {info.get('Driver')}"  # engines on one host share ID
     if key in _disk_modes:
         return _disk_modes[key]
     driver = info.get("Driver", "?")
@@ -122,7 +122,7 @@ def disk_limit_mode(client, image: str) -> tuple[str | None, str]:
 
 
 def _image_size(client, image: str) -> int:
-    key = f"{client.api.base_url} {image}"
+    key = f"{os.environ.get('DOCKER_HOST')} {image}"
     if key not in _image_sizes:
         _image_sizes[key] = int(client.images.get(image).attrs.get("Size") or 0)
     return _image_sizes[key]
@@ -296,6 +296,9 @@ def _remove(container) -> None:
         container.remove(force=True)
     except docker.errors.NotFound:
         pass
+    except docker.errors.APIError as e:
+        if e.status_code != 409:  # 409: a reaper is removing it already
+            raise
 
 
 def _owner_gone(labels: dict[str, str], now: float) -> bool:
@@ -313,12 +316,22 @@ def _owner_gone(labels: dict[str, str], now: float) -> bool:
 
 def reap_containers(client=None) -> list[str]:
     """Remove swerve containers whose owner died or whose lifetime is over."""
+    import docker
+
     client = client or docker_client()
     now, reaped = time.time(), []
-    for container in client.containers.list(all=True, filters={"label": LABEL}):
-        if _owner_gone(container.labels, now):
-            _remove(container)
-            reaped.append(container.name)
+    # the list's own rows (labels included): no inspect per container, which fails with
+    # NotFound for one another process removes meanwhile
+    for row in client.api.containers(all=True, filters={"label": LABEL}):
+        if _owner_gone(row.get("Labels") or {}, now):
+            try:
+                client.api.remove_container(row["Id"], force=True)
+            except docker.errors.NotFound:
+                continue  # gone already
+            except docker.errors.APIError as e:  # removal already in progress elsewhere
+                logger.debug("could not remove %s: %s", row["Id"][:12], e)
+                continue
+            reaped.append((row.get("Names") or [row["Id"][:12]])[0].lstrip("/"))
     if reaped:
         logger.info("reaped %d container(s)", len(reaped), extra={"reaped": reaped})
     return reaped

@@ -115,7 +115,10 @@ class PeriodicReaper:
         loop = asyncio.get_running_loop()
         if also is not None and also not in cls._also:
             cls._also += (also,)
-            also()
+            try:
+                also()
+            except Exception:  # noqa: BLE001 - a failed sweep must not fail the sandbox that asked
+                logger.exception("reaper %s failed; the next sweep tries again", getattr(also, "__name__", also))
         if cls._task is not None and not cls._task.done() and cls._task.get_loop() is loop:
             return
         reap_local()
@@ -125,6 +128,8 @@ class PeriodicReaper:
     async def _loop(cls, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await asyncio.to_thread(reap_local)
-            for reap in cls._also:
-                await asyncio.to_thread(reap)
+            for reap in (reap_local, *cls._also):
+                try:
+                    await asyncio.to_thread(reap)
+                except Exception:  # noqa: BLE001 - an engine or disk blip: the loop must outlive it
+                    logger.exception("reaper %s failed; the next sweep tries again", reap.__name__)

@@ -411,6 +411,48 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="Target, e.g. base
     typer.echo(f"database at revision {db.current_revision(url)}")
 
 
+class _progress:
+    """A live progress line on stderr (rich, as `swerve run` shows its own) while a long
+    command works: `with _progress("importing x", total=n) as advance: advance(done)`. Off
+    the terminal it prints a plain line every few seconds, so logs show it too."""
+
+    def __init__(self, what: str, total: int | None = None, unit: str = ""):
+        self.what, self.total, self.unit = what, total, unit
+
+    def __enter__(self):
+        import time
+
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        if console.is_terminal:
+            columns = [TextColumn("{task.description}"), BarColumn() if self.total else TextColumn(""),
+                       MofNCompleteColumn() if self.total else TextColumn("{task.completed} " + self.unit),
+                       TimeElapsedColumn()]
+            self.bar = Progress(*columns, console=console, transient=True)
+            self.bar.start()
+            task = self.bar.add_task(self.what, total=self.total)
+            return lambda done: self.bar.update(task, completed=done)
+        self.bar, self.done, last = None, None, [0.0]
+
+        def line(done):
+            self.done = done
+            if time.monotonic() - last[0] >= 5:
+                last[0] = time.monotonic()
+                self._echo(done)
+        return line
+
+    def _echo(self, done) -> None:
+        typer.echo(f"{self.what}: {done}{f'/{self.total}' if self.total else ''} {self.unit}".rstrip(), err=True)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        elif self.done is not None:
+            self._echo(self.done)  # where it ended
+
+
 @suite_app.command("import")
 def suite_import(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True)],
@@ -426,18 +468,28 @@ def suite_import(
 
     settings = _settings()
 
-    async def run() -> suites.ImportResult:
+    async def run(advance) -> suites.ImportResult:
+        async def counted(records):
+            n = 0
+            async for record in records:
+                n += 1
+                if n % 100 == 0:
+                    advance(n)
+                yield record
+            advance(n)
+
         engine = make_async_engine(settings.resolved_database_url)
         try:
             return await suites.import_suite(
-                engine, name or file.stem, suites.records_of_file(str(file)),
+                engine, name or file.stem, counted(suites.records_of_file(str(file))),
                 max_listed_errors=settings.max_listed_errors, fmt=format,
             )
         finally:
             await engine.dispose()
 
     try:
-        result = asyncio.run(run())
+        with _progress(f"importing {file.name}", unit="records") as advance:
+            result = asyncio.run(run(advance))
     except suites.SuiteRejected as e:
         for err in e.errors:
             where = f"line {err.line}" if err.line is not None else f"index {err.index}"
@@ -533,7 +585,9 @@ def suite_generate(
 
     bundles = bundles_dir or _settings().data_dir / "bundles"
     try:
-        rows = generate(family, n, seed, split, out, bundles_dir=bundles, distractors=distractors)
+        with _progress(f"generating {family} tasks", total=n) as advance:
+            rows = generate(family, n, seed, split, out, bundles_dir=bundles, distractors=distractors,
+                            progress=lambda done, _: advance(done))
     except ValueError as e:
         typer.secho(str(e), fg="red", err=True)
         raise typer.Exit(2) from e

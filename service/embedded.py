@@ -66,9 +66,11 @@ def summary_table(run_id: uuid.UUID, state: dict, elapsed_s: float):
 
     total, final = sum(state["episodes"].values()), state["final"]
     table = Table(title=f"run {run_id}: {state['status']}", show_header=False)
-    table.add_column(style="bold")
+    table.add_column(style="bold", no_wrap=True)
     table.add_column()
     table.add_row("episodes", f"{final}/{total} final")
+    if state.get("error"):
+        table.add_row("error", state["error"])
     for status, n in sorted(state["episodes"].items()):
         table.add_row(f"  {status}", str(n))
     reward = state["reward_mean"]

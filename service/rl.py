@@ -487,7 +487,7 @@ def summary(state: dict):
     table = Table(title=f"run {state['id']}: {state['status']}")
     for column in ("version", "reward", "useful", "mismatch KL", "staleness", "wait s", "train s", "publish s",
                    "eval pass@1 [95% CI]", "pass@k", "format err"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "version")  # the key column is never cut
     evals = {e["policy_version"]: e for e in t.get("evals") or []}
     rows = {0: {}} | {s["version"]: s for s in t.get("steps") or []}
 

@@ -74,6 +74,7 @@ def test_db_upgrade_and_suite_import(env, tmp_path):
     ok = run_cli(["suite", "import", str(SAMPLE), "--name", "sample"], env)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["task_count"] == 3
+    assert "importing swebench_sample.jsonl: 3 records" in ok.stderr  # progress, on stderr off a terminal
     again = run_cli(["suite", "import", str(SAMPLE), "--name", "sample"], env)
     assert again.returncode == 1 and "exists" in again.stderr
     skipped = run_cli(["suite", "import", str(SAMPLE), "--name", "sample", "--skip-existing"], env)

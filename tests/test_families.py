@@ -248,6 +248,7 @@ def test_cli_writes_bundles_where_workers_look(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "2 pyfix tasks" in done.stdout
+    assert "generating pyfix tasks: 2/2" in done.stderr  # progress, on stderr off a terminal
     rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     for row in rows:
         assert (tmp_path / "var" / "bundles" / f"{row['source'].removeprefix('bundle:')}.bundle").is_file()
