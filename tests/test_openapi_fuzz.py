@@ -61,3 +61,21 @@ def test_api_never_answers_500(case):
         checks=[not_a_server_error, status_code_conformance, content_type_conformance,
                 response_schema_conformance],
     )
+
+
+class Workflows(schema.as_state_machine()):
+    """Stateful: sequences of calls chained through the links schemathesis infers (a suite's
+    id from its upload to its tasks, its validation and its deletion; a run's id to its
+    episodes, cancel and export...), so the fuzzer reaches objects that exist, in any order."""
+
+    def get_call_kwargs(self, case):
+        return {"headers": {"Authorization": f"Bearer {TOKEN}"}}
+
+    def validate_response(self, response, case, additional_checks=(), **kwargs):
+        case.validate_response(response, checks=(not_a_server_error, status_code_conformance,
+                                                 content_type_conformance, response_schema_conformance))
+
+
+def test_api_never_answers_500_in_call_sequences():
+    Workflows.run(settings=settings(max_examples=60, stateful_step_count=6, deadline=None,
+                                    suppress_health_check=list(HealthCheck)))
