@@ -4,7 +4,7 @@ SWERVE_SANDBOX_STARTS_PER_S started per second, counted across every process of 
 pressure) instead of failing: 16-96 agents started at once overload a Docker daemon (SkyRL #9,
 rllm #269), and its errors would end episodes that only had to wait.
 
-Both limits live in files under the sandboxes' state folder, so they need no service:
+Both limits live in files beside the sandboxes' state folder, so they need no service:
 - a live sandbox holds an exclusive flock on one of MAX_LIVE slot files; the kernel releases it
   when the sandbox closes or its process dies, so a crash never leaks a slot;
 - starts are paced by one file holding the time the next start may begin, read and moved on
@@ -65,7 +65,9 @@ STATS = Stats()
 
 
 def _folder() -> Path:
-    folder = state_root() / "admission"
+    """Beside the sandboxes' state folder, not in it: the reaper owns that one's contents."""
+    root = state_root()
+    folder = root.with_name(f"{root.name}.admission")
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     return folder
 

@@ -32,6 +32,13 @@ os.environ.setdefault("SWERVE_MODEL_ROOTS", tempfile.gettempdir())
 # The engine tests run on is overlay2 on ext4, which cannot limit a container's disk: accepted
 # here, as an operator may; tests/test_sandboxes.py proves the limit on a btrfs engine.
 os.environ.setdefault("SWERVE_DOCKER_DISK_LIMIT", "tmp-only")
+DEPLOYMENT = {k: os.environ[k] for k in ("SWERVE_ENDPOINT_HOSTS", "SWERVE_MODEL_ROOTS", "SWERVE_DOCKER_DISK_LIMIT")}
+
+
+def clean_env() -> dict[str, str]:
+    """The environment for a `swerve` process under test: none of this shell's SWERVE_
+    settings but the test deployment's allowances above."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | DEPLOYMENT
 TABLES = ("evaluation_instances", "evaluations", "turns", "episodes", "groups", "runs", "tasks", "suites", "policies")
 
 

@@ -77,7 +77,8 @@ def btrfs_docker():
         shutil.rmtree(root, ignore_errors=True)
         missing_service(f"a loop-mounted btrfs for a second Docker engine ({mounted.stderr.strip()})")
     log = open(root / "dockerd.log", "w")
-    engine = subprocess.Popen(["dockerd", "--data-root", str(data), "--storage-driver", "btrfs", "-H", host,
+    # in a network namespace of its own: an engine without a bridge deletes the host's docker0
+    engine = subprocess.Popen(["unshare", "--net", "dockerd", "--data-root", str(data), "--storage-driver", "btrfs", "-H", host,
                                "--pidfile", str(root / "docker.pid"), "--exec-root", str(root / "exec"),
                                "--bridge", "none", "--iptables=false"], stdout=log, stderr=subprocess.STDOUT)
     try:

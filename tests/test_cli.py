@@ -15,14 +15,14 @@ import httpx
 import pytest
 
 from service.config import SettingsError, load_settings
-from tests.conftest import TOKEN
+from tests.conftest import clean_env, TOKEN
 
 SAMPLE = Path(__file__).parent / "data" / "swebench_sample.jsonl"
 SWERVE = [sys.executable, "-m", "service.cli"]
 
 
 def run_cli(args: list[str], env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")}
+    clean = clean_env()
     return subprocess.run(SWERVE + args, env=clean | env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -90,7 +90,7 @@ def _free_port() -> int:
 def test_serve_answers_over_http(env):
     assert run_cli(["db", "upgrade"], env).returncode == 0
     port = _free_port()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")}
+    clean = clean_env()
     proc = subprocess.Popen(SWERVE + ["serve", "--host", "0.0.0.0", "--port", str(port)],
                             env=clean | env | {"SWERVE_API_TOKEN": TOKEN},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_torchtitan
+from tests.conftest import clean_env, require_torchtitan
 from tests.servers import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -31,7 +31,7 @@ def test_demo_learn_quick_runs_every_stage(tmp_path):
         missing_service(f"vLLM at {vllm_python()} (make vllm)")
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\n## other\n\nkept\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"SWERVE_DATA_DIR": str(tmp_path)}
+    env = clean_env() | {"SWERVE_DATA_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "service.cli", "demo", "learn", "--quick", "--seed", "3",
                            f"--results={results}", f"--port={free_port()}", f"--vllm-port={free_port()}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import client_for, make_settings
+from tests.conftest import clean_env, client_for, make_settings
 from tests.sandbox_fixtures import require_bwrap
 from tests.servers import free_port
 
@@ -21,7 +21,7 @@ TASKS = ["swerve-examples__textkit-camel-acronym", "swerve-examples__numkit-medi
 
 def swerve_run(data_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     require_bwrap()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+    env = clean_env() | {
         "SWERVE_DATA_DIR": str(data_dir), "COLUMNS": "120"}
     return subprocess.run([sys.executable, "-m", "service.cli", "run", "--no-serve", "--port", str(free_port()),
                            *[a for t in TASKS for a in ("--task", t)], *args],

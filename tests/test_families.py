@@ -20,6 +20,7 @@ from envs import families
 from envs.families import SPLITS, demo_calls, generate
 from envs.swe_env import SWEEnvConfig, resolve_source
 from envs.task import Task
+from tests.conftest import clean_env
 
 N = 6
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,7 +242,7 @@ def test_bad_arguments_are_refused(tmp_path, kwargs, message):
 
 
 def test_cli_writes_bundles_where_workers_look(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")}
+    env = clean_env()
     env["SWERVE_DATA_DIR"] = str(tmp_path / "var")
     done = subprocess.run([sys.executable, "-m", "service.cli", "suite", "generate", "--family", "pyfix", "--n", "2",
                            "--seed", "1", "--split", "heldout-templates", "--out", str(tmp_path / "s.jsonl")],

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from service.store import db
 from service.fleet.tiny_model import init_tiny
-from tests.conftest import TOKEN, auth, client_for, make_settings, missing_service
+from tests.conftest import clean_env, TOKEN, auth, client_for, make_settings, missing_service
 from tests.sandbox_fixtures import require_bwrap
 from tests.servers import free_port
 from tests.test_rollout_e2e import SUITE, wait_for_run
@@ -109,7 +109,7 @@ def stop(proc: subprocess.Popen | None) -> None:
 
 def service_env(db_url: str, broker_url: str, data_dir: Path) -> dict:
     require_bwrap()
-    return {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+    return clean_env() | {
         "SWERVE_DATABASE_URL": db_url, "SWERVE_BROKER_URL": broker_url, "SWERVE_DATA_DIR": str(data_dir),
         "SWERVE_SANDBOX_DIR": str(data_dir / "sandboxes"), "SWERVE_API_TOKEN": TOKEN,
         "SWERVE_ORCHESTRATOR_LEASE_S": "3"}

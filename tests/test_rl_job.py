@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from tests.servers import free_port
 from tests.test_cli import run_cli
+from tests.conftest import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "envs" / "example_suite" / "suite.jsonl"
@@ -212,7 +213,7 @@ def test_rl_job_on_embedded_defaults_survives_sigkill(vllm_fleet, tmp_path):
     require_torchtitan()
     require_bwrap()
     url = vllm_fleet.url("dense-a")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+    env = clean_env() | {
         "SWERVE_DATA_DIR": str(tmp_path / "var"), "SWERVE_ORCHESTRATOR_LEASE_S": "3"}
     try:
         _run_killed_and_resumed(tmp_path, env, f"sqlite:///{tmp_path / 'var' / 'swerve.db'}",

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from service.store import db
 from service.store.buffer import Buffer
 from service.fleet.tiny_model import init_tiny
-from tests.conftest import auth, client_for, make_settings, missing_service
+from tests.conftest import clean_env, auth, client_for, make_settings, missing_service
 from tests.sandbox_fixtures import require_bwrap
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def worker_env(db_url: str, data_dir: Path) -> dict:
     except redis.ConnectionError as e:
         missing_service(f"Redis at {BROKER} ({e})")
     _truncate_pg(db_url)
-    return {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
+    return clean_env() | {
         "SWERVE_DATABASE_URL": db_url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(data_dir)}
 
 

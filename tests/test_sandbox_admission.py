@@ -77,20 +77,21 @@ def test_starts_are_paced_across_processes(tmp_path):
     assert last_entered - first_asked >= (n - 1) / rate  # each start reserves its own instant, 1/rate apart
 
 
-def test_a_killed_process_gives_its_slot_back(tmp_path):
+def test_a_killed_process_gives_its_slot_back(tmp_path, monkeypatch):
     env = os.environ | {"SWERVE_SANDBOX_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "SWERVE_SANDBOX_MAX_LIVE": "1"}
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, "1", "600"], env=env)
+    monkeypatch.setenv("SWERVE_SANDBOX_DIR", str(tmp_path))  # where _folder() looks, as the child does
     try:
-        (tmp_path / "admission").mkdir(parents=True, exist_ok=True)
+        folder = admission._folder()
         deadline = time.monotonic() + 30
-        while (fd := admission._try_slot(tmp_path / "admission", 1)) is not None and time.monotonic() < deadline:
+        while (fd := admission._try_slot(folder, 1)) is not None and time.monotonic() < deadline:
             os.close(fd)  # free still: give it back and look again once the child has started
             time.sleep(0.05)
         assert fd is None  # the child holds the only slot
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    fd = admission._try_slot(tmp_path / "admission", 1)
+    fd = admission._try_slot(folder, 1)
     assert fd is not None
     os.close(fd)
 

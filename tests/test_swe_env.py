@@ -16,6 +16,7 @@ from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run
 from service.worker.scripted import oracle, replay
 from service.fleet.tiny_model import init_tiny
 from tests.sandbox_fixtures import backend  # noqa: F401 - fixture
+from tests.conftest import clean_env
 
 pytestmark = pytest.mark.slow
 SUITE = Path(__file__).resolve().parent.parent / "envs" / "example_suite" / "suite.jsonl"
@@ -158,7 +159,7 @@ def run_validate(args: list[str], data_dir: Path):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"SWERVE_DATA_DIR": str(data_dir)}
+    env = clean_env() | {"SWERVE_DATA_DIR": str(data_dir)}
     return subprocess.run([sys.executable, "-m", "service.cli", "suite", "validate", *args],
                           capture_output=True, text=True, env=env, timeout=600)
 

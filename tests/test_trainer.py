@@ -17,7 +17,7 @@ from service.store import db
 from service.store.buffer import Buffer
 from service.store.records import TurnRecord
 from service.store.tables import Episode, Group, Policy
-from tests.conftest import require_torchtitan  # noqa: E402
+from tests.conftest import clean_env, require_torchtitan  # noqa: E402
 from tests.golden import GOLDEN, GOLDEN_CONFIG, golden_group
 from tests.test_orchestrator import make_run
 
@@ -374,7 +374,7 @@ async def test_sigkilled_trainer_process_resumes_exactly_once(migrated_pg_url, t
         config.write_text(f'name = "killed"\nmodel = "{tiny["dense"]}"\nout_dir = "{tmp_path}"\n'
                           f'database_url = "{migrated_pg_url}"\ngroups_per_step = 1\nwait_s = 20\n'
                           '[data]\nseq_len = 64\n[optim]\nlr = 1e-3\n')
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"OMP_NUM_THREADS": "1"}
+        env = clean_env() | {"OMP_NUM_THREADS": "1"}
         metrics = tmp_path / "killed" / "metrics.jsonl"
         first = subprocess.Popen([sys.executable, "-m", "service.cli", "train", "--config", str(config), "--steps=3"],
                                  env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))

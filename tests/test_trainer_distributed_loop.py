@@ -23,7 +23,7 @@ import torch
 from service.store import db
 from service.store.tables import Group, Policy
 from service.fleet.tiny_model import TinyModelSpec, init_tiny
-from tests.conftest import _truncate_pg, require_torchtitan
+from tests.conftest import clean_env, _truncate_pg, require_torchtitan
 
 require_torchtitan()
 
@@ -67,7 +67,7 @@ async def state(url: str) -> tuple[list[int], list[int | None]]:
 
 
 def train(config: Path, tmp_path: Path, name: str, *args: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"OMP_NUM_THREADS": "1"}
+    env = clean_env() | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "service.cli", "train", "--config", str(config), f"--name={name}",
                            *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -157,7 +157,7 @@ async def test_two_process_trainer_sigkilled_mid_run_resumes_exactly_once(migrat
                       'groups_per_step = 1\nwait_s = 30\n[data]\nseq_len = 64\n[optim]\nlr = 1e-3\n'
                       '[parallelism]\nworld_size = 2\n')
     await fill(migrated_pg_url, tiny["dense"])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {"OMP_NUM_THREADS": "1"}
+    env = clean_env() | {"OMP_NUM_THREADS": "1"}
     metrics = tmp_path / "killed" / "metrics.jsonl"
     job = subprocess.Popen([sys.executable, "-m", "service.cli", "train", "--config", str(config), "--name=killed",
                             "--steps=3", "--nproc=2"], cwd=REPO, env=env, start_new_session=True,

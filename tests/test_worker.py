@@ -12,7 +12,7 @@ import redis
 
 from service.worker.app import make_celery
 from service.config import load_settings
-from tests.conftest import missing_service
+from tests.conftest import clean_env, missing_service
 
 BROKER = os.environ.get("SWERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -27,7 +27,7 @@ def broker_url() -> str:
 
 
 def test_worker_answers_ping_and_runs_tasks(broker_url, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")}
+    env = clean_env()
     env |= {"SWERVE_BROKER_URL": broker_url, "SWERVE_DATA_DIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
