@@ -11,7 +11,6 @@ alive at once.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics

@@ -3,7 +3,6 @@ bubblewrap), as a user starts it."""
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
 import sys

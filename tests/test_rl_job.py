@@ -6,7 +6,6 @@ its last step with no group lost or trained twice; and its trackers."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

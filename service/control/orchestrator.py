@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import sqlalchemy as sa
 from pydantic import ValidationError
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.control import training
