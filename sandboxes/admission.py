@@ -21,7 +21,6 @@ import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandboxes.reaper import state_root
@@ -51,17 +50,6 @@ def max_live() -> int:
 def starts_per_s() -> float:
     """Sandbox starts per second on this host (default 10)."""
     return _setting(STARTS_ENV, 10.0, float)
-
-
-@dataclass
-class Stats:
-    """What this process's admissions waited (for benchmarks and logs)."""
-
-    admitted: int = 0
-    waited_s: list[float] = field(default_factory=list)
-
-
-STATS = Stats()
 
 
 def _folder() -> Path:
@@ -118,8 +106,6 @@ async def admitted(what: str = "sandbox") -> AsyncIterator[None]:
         start_at = await asyncio.to_thread(_next_start, folder, rate)
         if (wait := start_at - time.time()) > 0:
             await asyncio.sleep(wait)
-        STATS.admitted += 1
-        STATS.waited_s.append(time.monotonic() - asked)
         yield
     finally:
         os.close(fd)  # releases the flock: the slot is free for the next sandbox

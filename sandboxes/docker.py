@@ -101,10 +101,10 @@ def disk_limit_mode(client, image: str) -> tuple[str | None, str]:
     probe creates, and removes, a container of `image`)."""
     import docker
 
-    info = client.info()
-    key = f"{info.get('ID')} {info.get('DockerRootDir')} {info.get('Driver')}"  # engines on one host share ID
+    key = os.environ.get("DOCKER_HOST", "")  # the engine this process talks to (engines on a host share an ID)
     if key in _disk_modes:
         return _disk_modes[key]
+    info = client.info()
     driver = info.get("Driver", "?")
     backing = dict(info.get("DriverStatus") or []).get("Backing Filesystem", "?")
     what = f"storage driver {driver} on {backing}"
@@ -276,7 +276,7 @@ class DockerSandbox(ShellSandbox):
         self._closed = True
         if self.shell is not None:
             await self.shell.kill()
-        await asyncio.to_thread(_remove, self.container)
+        await asyncio.to_thread(_remove, self.client, self.container.id)
         logger.info("sandbox down", extra={"sandbox": self.id, "episode": self.config.episode})
 
 
@@ -289,16 +289,19 @@ def _host_cgroups(container_id: str) -> Cgroups | None:
     return Cgroups([v2]) if v2.is_dir() else None
 
 
-def _remove(container) -> None:
+def _remove(client, container_id: str) -> bool:
+    """Remove a container; False when it is gone already or another process is removing it (409)."""
     import docker
 
     try:
-        container.remove(force=True)
+        client.api.remove_container(container_id, force=True)
+        return True
     except docker.errors.NotFound:
-        pass
+        return False
     except docker.errors.APIError as e:
-        if e.status_code != 409:  # 409: a reaper is removing it already
+        if e.status_code != 409:
             raise
+        return False
 
 
 def _owner_gone(labels: dict[str, str], now: float) -> bool:
@@ -325,13 +328,12 @@ def reap_containers(client=None) -> list[str]:
     for row in client.api.containers(all=True, filters={"label": LABEL}):
         if _owner_gone(row.get("Labels") or {}, now):
             try:
-                client.api.remove_container(row["Id"], force=True)
-            except docker.errors.NotFound:
-                continue  # gone already
-            except docker.errors.APIError as e:  # removal already in progress elsewhere
+                removed = _remove(client, row["Id"])
+            except docker.errors.APIError as e:  # the engine refused: the next sweep tries again
                 logger.debug("could not remove %s: %s", row["Id"][:12], e)
                 continue
-            reaped.append((row.get("Names") or [row["Id"][:12]])[0].lstrip("/"))
+            if removed:
+                reaped.append((row.get("Names") or [row["Id"][:12]])[0].lstrip("/"))
     if reaped:
         logger.info("reaped %d container(s)", len(reaped), extra={"reaped": reaped})
     return reaped

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from service.store import db
 from service.api.routes import evaluations, health, runs, suites, tasks
-from service.config import Settings, get_settings
+from service.config import Settings, get_settings, is_loopback
 from service.control.evaluations import EvaluationExists
 from service.control.suites import SuiteNameTaken, SuiteRejected, UploadTooLarge
 from service.control.views import NotFound, TokenizerUnavailable
@@ -72,9 +72,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
 class CheckHost:
     """Local mode answers only requests addressed to loopback (or SWERVE_ALLOWED_HOSTS): a web
     page whose name an attacker points at 127.0.0.1 (DNS rebinding) sends its own Host header,
@@ -91,8 +88,7 @@ class CheckHost:
             host = host[1:].split("]", 1)[0]
         elif host.count(":") == 1:
             host = host.split(":", 1)[0]
-        return host in LOOPBACK_NAMES or host.endswith(".localhost") or host in self.allowed \
-            or host.startswith("127.")
+        return is_loopback(host) or host in self.allowed
 
     async def __call__(self, scope, receive, send):
         if scope["type"] in ("http", "websocket"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from service.config import Settings, SettingsError, get_settings
+from service.config import Settings, SettingsError, get_settings, is_loopback
 
 app = typer.Typer(help="swerve: SWE environments and rollouts for RL of coding agents.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -33,15 +32,6 @@ def _settings() -> Settings:
     except SettingsError as e:
         typer.secho(str(e), fg="red", err=True)
         raise typer.Exit(2) from e
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _require_migrated(settings: Settings) -> None:
@@ -70,7 +60,7 @@ def serve(
 
     settings = _settings()
     setup_logging(settings.log_format)
-    if settings.local_mode and not _is_loopback(host):
+    if settings.local_mode and not is_loopback(host):
         typer.secho(f"SWERVE_API_TOKEN is unset: refusing to listen on {host}. Set a token "
                     "(16+ characters) or listen on 127.0.0.1.", fg="red", err=True)
         raise typer.Exit(2)
@@ -113,7 +103,7 @@ def run(
     if sampler not in ("vllm", "oracle", "demo"):
         typer.secho(f"--sampler: must be vllm, oracle or demo, got {sampler!r}", fg="red", err=True)
         raise typer.Exit(2)
-    if settings.local_mode and not _is_loopback(host):
+    if settings.local_mode and not is_loopback(host):
         typer.secho(f"SWERVE_API_TOKEN is unset: refusing to listen on {host}.", fg="red", err=True)
         raise typer.Exit(2)
     if endpoint and model is None:
@@ -202,7 +192,7 @@ def rl(
     if check_only:
         typer.echo(f"{path}: ok")
         return
-    if settings.local_mode and not _is_loopback(cfg.serve.host):
+    if settings.local_mode and not is_loopback(cfg.serve.host):
         typer.secho(f"SWERVE_API_TOKEN is unset: refusing to listen on {cfg.serve.host}.", fg="red", err=True)
         raise typer.Exit(2)
     settings.data_dir.mkdir(parents=True, exist_ok=True)

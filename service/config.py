@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 
@@ -128,6 +129,16 @@ class Settings(BaseSettings):
     @property
     def allowed_host_list(self) -> tuple[str, ...]:
         return _items(self.allowed_hosts)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, without port) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _items(value: str) -> tuple[str, ...]:

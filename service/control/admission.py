@@ -6,13 +6,11 @@ would allow it, so no run is created that cannot do what it asks."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from envs.swe_env import source_problem  # noqa: F401 - the suite import checks sources with it
-from service.config import Settings
+from service.config import Settings, is_loopback
 from service.worker.config import RunConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -66,15 +64,6 @@ def _tokenizer(cfg: RunConfig, settings: Settings) -> list[str]:
     return []
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def endpoint_problem(url: str, settings: Settings, field: str) -> str | None:
     """Why a run may not sample from `url` (None: it may): http(s) only, to a host the operator
     allowed (SWERVE_ENDPOINT_HOSTS), or to loopback in local mode."""
@@ -91,7 +80,7 @@ def endpoint_problem(url: str, settings: Settings, field: str) -> str | None:
     allowed = settings.endpoint_host_list
     if "*" in allowed or host in allowed or (port is not None and f"{host}:{port}" in allowed):
         return None
-    if settings.local_mode and _loopback(host):
+    if settings.local_mode and is_loopback(host):
         return None
     return (f"{field}: host {host!r} of {url} is not an allowed inference host; the operator allows it "
             f"with SWERVE_ENDPOINT_HOSTS (comma-separated{'; loopback is allowed in local mode' if settings.local_mode else ''})")
