@@ -8,7 +8,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 RUN apt-get update \
     && apt-get install -y --no-install-recommends git bubblewrap slirp4netns iptables iproute2 util-linux ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --create-home --uid 1000 swerve
+    && useradd --create-home --uid 1000 swerve \
+    && mkdir /data && chown swerve:swerve /data
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -16,7 +17,6 @@ COPY service ./service
 COPY envs ./envs
 COPY sandboxes ./sandboxes
 COPY trainer ./trainer
-COPY migrations ./migrations
 # EXTRAS="[model,trainer]" makes the trainer's image (compose's rl profile): torch from TORCH_INDEX
 # (the CPU wheels by default; a CUDA index for GPU nodes) and torchtitan without its extra deps.
 ARG EXTRAS=""

@@ -171,7 +171,15 @@ class BwrapSandbox(ShellSandbox):
 
         async def link_network() -> None:
             close("info_w", "block_r")  # the child holds its own copies: its exit now reads as EOF
-            self.net = await UserNet.attach(await read_child_pid(fds["info_r"]))
+            child = await read_child_pid(fds["info_r"])
+            try:
+                self.net = await UserNet.attach(child)
+            except BaseException:
+                # the sandbox waits on block_fd holding the shell's pipes, and the shell's end
+                # waits for them: kill its init (and with it the namespace) first
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+                raise
             os.write(fds["block_w"], b"1")
 
         net_fds = (fds["info_w"], fds["block_r"]) if fds else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,27 @@ def test_compose_demands_an_api_token():
 
 def test_dockerfile_copies_every_package():
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for package in ("service", "envs", "sandboxes", "trainer", "migrations"):
+    for package in ("service", "envs", "sandboxes", "trainer"):
         assert f"COPY {package} ./{package}" in dockerfile
+
+
+def test_the_installed_package_carries_its_migrations_and_example_suite(tmp_path):
+    """The app image installs swerve as a wheel (not from the checkout): what it reads from beside
+    its modules (Alembic's versions, the example suite's bundles, the UI's files) must be in it."""
+    import zipfile
+
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    names = set(zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist())
+    versions = {f"service/store/migrations/versions/{p.name}"
+                for p in (ROOT / "service/store/migrations/versions").glob("*.py")}
+    assert versions and versions <= names
+    assert {"service/store/migrations/env.py", "service/store/migrations/script.py.mako"} <= names
+    bundles = {f"envs/example_suite/bundles/{p.name}" for p in (ROOT / "envs/example_suite/bundles").iterdir()}
+    assert bundles and bundles <= names
+    assert {"envs/example_suite/suite.jsonl", "envs/example_suite/rl.toml", "service/ui/templates/base.html",
+            "service/fleet/assets/tokenizer_corpus.txt"} <= names
 
 
 @pytest.mark.parametrize(("profile", "service"), [("gpu", "vllm"), ("cpu", "vllm-cpu")])

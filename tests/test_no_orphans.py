@@ -3,6 +3,7 @@ mount, cgroup or folder once the reaper has run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -66,6 +67,29 @@ async def test_close_leaves_nothing(backend, tmp_path):
         assert host_processes_with("4242.5")
         sandbox_id = sb.id
     assert leftovers(backend, tmp_path / "sandboxes", [sandbox_id]) == []
+
+
+async def test_a_network_that_cannot_come_up_fails_the_start_and_leaves_nothing(tmp_path, monkeypatch):
+    """slirp4netns failing (a container without /dev/net/tun, as a Compose worker had) is an error
+    naming it, at once: before, the sandbox's init waited on its block fd holding the shell's
+    pipes, and the start waited for those pipes forever."""
+    from sandboxes.base import SandboxError, SandboxLimits
+    from sandboxes.config import BwrapSandboxConfig
+    from tests.sandbox_fixtures import require_bwrap
+
+    require_bwrap()
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "slirp4netns").write_text('#!/bin/sh\necho "open(\\"/dev/net/tun\\"): No such file" >&2\nexit 1\n')
+    (fake / "slirp4netns").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    state = tmp_path / "sandboxes"
+    config = BwrapSandboxConfig(state_dir=state, limits=SandboxLimits(network=True))
+    started = time.monotonic()
+    with pytest.raises(SandboxError, match="slirp4netns did not come up: open.*/dev/net/tun"):
+        await asyncio.wait_for(config.build(), 60)
+    assert time.monotonic() - started < 30
+    assert leftovers("bwrap", state, [p.name for p in state.iterdir()] if state.exists() else []) == []
 
 
 def test_sigkilled_owner_leaves_nothing_after_the_reaper(backend, tmp_path):

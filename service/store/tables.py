@@ -1,6 +1,6 @@
 """Database tables. Token arrays are compact binary (service.store.records), never JSON lists.
 
-The same tables run on PostgreSQL and SQLite; migrations/ holds their history.
+The same tables run on PostgreSQL and SQLite; store/migrations/ holds their history.
 """
 
 from __future__ import annotations

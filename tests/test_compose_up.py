@@ -1,0 +1,157 @@
+"""`docker compose up` for real: the stack docker-compose.yml describes (PostgreSQL, Redis, the
+API built from the Dockerfile, which migrates and serves, and a worker) starts, takes a suite
+over the API and runs oracle episodes to a graded end in bubblewrap sandboxes inside the worker
+container; a restarted API and worker keep what was done. No registry is reachable here, so the
+registry's images are stood in for by tests/compose_standins (Debian packages on the sandboxes'
+debootstrap base)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.fleet.tiny_model import init_tiny
+from tests.conftest import missing_service
+from tests.servers import free_port
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "envs" / "example_suite" / "suite.jsonl"
+
+
+def _compose() -> list[str]:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    missing_service("docker compose (or docker-compose)")
+
+
+class Stack:
+    def __init__(self, env: dict[str, str], port: int):
+        self.project = f"swerve-up-{secrets.token_hex(3)}"
+        self.env, self.port = env, port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def compose(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run([*_compose(), "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), *args],
+                              cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "60").stdout[-8000:]
+
+    def container(self, service: str) -> str:
+        return self.compose("ps", "-q", service).stdout.strip()
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/api/v1/health", timeout=3).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise AssertionError(f"the API did not answer /health in {timeout:.0f} s:\n{self.logs()}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from tests.compose_standins import ensure_standins
+
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        missing_service("a Docker engine")
+    _compose()
+    env = {**os.environ, **ensure_standins(), "SWERVE_API_TOKEN": secrets.token_hex(16),
+           "SWERVE_API_PORT": str(free_port())}
+    stack = Stack(env, int(env["SWERVE_API_PORT"]))
+    try:
+        built = stack.compose("build", timeout=1500)
+        assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+        up = stack.compose("up", "-d")
+        assert up.returncode == 0, up.stderr[-4000:]
+        stack.wait_healthy()
+        yield stack
+    finally:
+        stack.compose("down", "--volumes", "--remove-orphans", timeout=300)
+
+
+def _auth(stack: Stack) -> dict[str, str]:
+    return {"Authorization": f"Bearer {stack.env['SWERVE_API_TOKEN']}"}
+
+
+def _copy_tokenizer(stack: Stack, tmp_path: Path) -> str:
+    """A tokenizer into the cluster's models folder, as an operator would put a policy there."""
+    tokenizer = init_tiny(tmp_path / "policy")
+    target = "/data/models/policy"
+    api = stack.container("api")
+    made = subprocess.run(["docker", "exec", api, "mkdir", "-p", target], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr  # the API's user owns the data volume
+    done = subprocess.run(["docker", "cp", f"{tokenizer}/.", f"{api}:{target}"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return target
+
+
+def _wait_run(client: httpx.Client, run_id: str, stack: Stack, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = client.get(f"/api/v1/runs/{run_id}").json()
+        if state["status"] not in ("pending", "running"):
+            return state
+        time.sleep(1)
+    raise AssertionError(f"run {run_id} still {state['status']} after {timeout:.0f} s:\n{stack.logs()}")
+
+
+def test_the_stack_migrates_serves_and_runs_oracle_episodes(stack, tmp_path):
+    headers = _auth(stack)
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        health = client.get("/api/v1/health").json()
+        assert health == {"status": "ok", "database": "postgresql", "local_mode": False}, health
+        body = "\n".join(SUITE.read_text().splitlines()[:2]) + "\n"
+        suite = client.post("/api/v1/suites", params={"name": "compose"}, content=body,
+                            headers={"Content-Type": "application/x-ndjson", **headers})
+        assert suite.status_code == 201, suite.text
+        tokenizer = _copy_tokenizer(stack, tmp_path)
+        run = client.post("/api/v1/runs", headers=headers, json={
+            "suite_id": suite.json()["id"], "sampler": {"type": "oracle", "tokenizer": tokenizer},
+            "samples_per_task": 2, "concurrency": 4, "backend": "bwrap"})
+        assert run.status_code == 201, run.text
+        state = _wait_run(client, run.json()["id"], stack)
+        episodes = client.get(f"/api/v1/runs/{run.json()['id']}/episodes", headers=headers).json()
+        errors = [(e["status"], e["error_message"]) for e in episodes["items"] if e["error_message"]]
+        assert state["status"] == "finished", (state, errors, stack.logs())
+        assert state["episodes"] == {"submitted": 4}, errors
+        assert (state["reward_mean"], state["pass_at_1"]) == (1.0, 1.0), state
+        detail = client.get(f"/api/v1/episodes/{episodes['items'][0]['id']}", headers=headers).json()
+        assert detail["report"]["resolution"] == "FULL" and detail["diff"].startswith("diff --git")
+
+        # a restarted API (migrations run again, a no-op) and worker keep the run and serve it
+        restarted = stack.compose("restart", "api", "worker", timeout=300)
+        assert restarted.returncode == 0, restarted.stderr
+        stack.wait_healthy()
+        again = client.get(f"/api/v1/runs/{run.json()['id']}").json()
+        assert (again["status"], again["episodes"], again["reward_mean"]) == ("finished", {"submitted": 4}, 1.0)
+        run2 = client.post("/api/v1/runs", headers=headers, json={
+            "suite_id": suite.json()["id"], "sampler": {"type": "oracle", "tokenizer": tokenizer},
+            "samples_per_task": 1, "concurrency": 2})
+        assert run2.status_code == 201, run2.text
+        assert _wait_run(client, run2.json()["id"], stack)["reward_mean"] == 1.0, stack.logs()
+
+
+def test_the_stack_refuses_work_without_the_token(stack):
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        refused = client.post("/api/v1/suites", params={"name": "x"}, content=b"{}\n",
+                              headers={"Content-Type": "application/x-ndjson"})
+        assert refused.status_code == 401
+        wrong = client.post("/api/v1/suites", params={"name": "x"}, content=b"{}\n",
+                            headers={"Content-Type": "application/x-ndjson", "Authorization": "Bearer " + "0" * 32})
+        assert wrong.status_code == 401
+        assert json.loads(client.get("/api/v1/health").text)["database"] == "postgresql"
