@@ -20,10 +20,15 @@ COPY trainer ./trainer
 # EXTRAS="[model,trainer]" makes the trainer's image (compose's rl profile): torch from TORCH_INDEX
 # (the CPU wheels by default; a CUDA index for GPU nodes) and torchtitan without its extra deps.
 ARG EXTRAS=""
+# PIP_FIND_LINKS may name a folder or page of wheels where that index is out of reach
+# (PIP_TRUSTED_HOST: its host, when served over plain HTTP).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS=""
+ARG PIP_TRUSTED_HOST=""
 ARG TORCHTITAN_VERSION=0.3.0
 RUN if [ -n "$EXTRAS" ]; then \
-      pip install --extra-index-url "$TORCH_INDEX" ".$EXTRAS" && pip install --no-deps "torchtitan==$TORCHTITAN_VERSION"; \
+      pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ".$EXTRAS" \
+      && pip install --no-deps "torchtitan==$TORCHTITAN_VERSION"; \
     else pip install .; fi
 
 USER swerve

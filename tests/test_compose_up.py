@@ -42,11 +42,12 @@ class Stack:
         self.url = f"http://127.0.0.1:{port}"
 
     def compose(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-        return subprocess.run([*_compose(), "-p", self.project, "-f", str(ROOT / "docker-compose.yml"), *args],
+        return subprocess.run([*_compose(), "-p", self.project, "-f", str(ROOT / "docker-compose.yml"),
+                               "--profile", "cpu", *args],
                               cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
 
-    def logs(self) -> str:
-        return self.compose("logs", "--no-color", "--tail", "60").stdout[-8000:]
+    def logs(self, *services: str) -> str:
+        return self.compose("logs", "--no-color", "--tail", "60", *services).stdout[-8000:]
 
     def container(self, service: str) -> str:
         return self.compose("ps", "-q", service).stdout.strip()
@@ -70,13 +71,16 @@ def stack(tmp_path_factory):
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         missing_service("a Docker engine")
     _compose()
-    env = {**os.environ, **ensure_standins(), "SWERVE_API_TOKEN": secrets.token_hex(16),
-           "SWERVE_API_PORT": str(free_port())}
+    # the cluster's own settings only: this test session's SWERVE_* (allowed endpoint hosts...)
+    # would otherwise fill the file's ${...} in place of its defaults
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")}
+    env |= {**ensure_standins(), "SWERVE_API_TOKEN": secrets.token_hex(16),
+           "SWERVE_API_PORT": str(free_port()), "SWERVE_VLLM_PORT": str(free_port())}
     stack = Stack(env, int(env["SWERVE_API_PORT"]))
     try:
-        built = stack.compose("build", timeout=1500)
+        built = stack.compose("build", "api", "worker", timeout=1500)
         assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
-        up = stack.compose("up", "-d")
+        up = stack.compose("up", "-d", "api", "worker")
         assert up.returncode == 0, up.stderr[-4000:]
         stack.wait_healthy()
         yield stack
@@ -88,8 +92,8 @@ def _auth(stack: Stack) -> dict[str, str]:
     return {"Authorization": f"Bearer {stack.env['SWERVE_API_TOKEN']}"}
 
 
-def _copy_tokenizer(stack: Stack, tmp_path: Path) -> str:
-    """A tokenizer into the cluster's models folder, as an operator would put a policy there."""
+def _copy_policy(stack: Stack, tmp_path: Path) -> str:
+    """The tiny model (its tokenizer too) into the cluster's models folder, as an operator would put a policy there."""
     tokenizer = init_tiny(tmp_path / "policy")
     target = "/data/models/policy"
     api = stack.container("api")
@@ -119,7 +123,7 @@ def test_the_stack_migrates_serves_and_runs_oracle_episodes(stack, tmp_path):
         suite = client.post("/api/v1/suites", params={"name": "compose"}, content=body,
                             headers={"Content-Type": "application/x-ndjson", **headers})
         assert suite.status_code == 201, suite.text
-        tokenizer = _copy_tokenizer(stack, tmp_path)
+        tokenizer = _copy_policy(stack, tmp_path)
         run = client.post("/api/v1/runs", headers=headers, json={
             "suite_id": suite.json()["id"], "sampler": {"type": "oracle", "tokenizer": tokenizer},
             "samples_per_task": 2, "concurrency": 4, "backend": "bwrap"})
@@ -155,3 +159,4 @@ def test_the_stack_refuses_work_without_the_token(stack):
                             headers={"Content-Type": "application/x-ndjson", "Authorization": "Bearer " + "0" * 32})
         assert wrong.status_code == 401
         assert json.loads(client.get("/api/v1/health").text)["database"] == "postgresql"
+
