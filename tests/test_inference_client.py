@@ -52,3 +52,21 @@ async def test_unknown_model_makes_the_server_unhealthy():
 def test_fleet_config_refuses_an_empty_fleet():
     with pytest.raises(ValueError, match="endpoints"):
         FleetConfig(endpoints=[])
+
+
+def test_a_tokenizer_load_waits_its_turn_only_as_long_as_asked_and_never_asks_a_hub(tmp_path):
+    """The viewer's load gives up (a 409 it tries again) instead of queueing behind another load
+    without end; a name that is no folder fails at once, never looked up on a hub (no network)."""
+    import time
+
+    from service.fleet import client as fleet_client
+
+    with fleet_client._TOKENIZER_LOAD:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="still loading"):
+            fleet_client.load_tokenizer(str(tmp_path / "x"), wait_s=0.2)
+        assert 0.2 <= time.monotonic() - started < 5
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        fleet_client.load_tokenizer("some-org/some-model-that-is-not-a-folder")
+    assert time.monotonic() - started < 10

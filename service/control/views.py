@@ -153,6 +153,9 @@ async def episode_detail(session: AsyncSession, answers: Answers, episode_id: uu
     return answers.episode(out, oracle=is_oracle(config))
 
 
+TOKENIZER_WAIT_S = 10.0
+
+
 class TokenizerUnavailable(RuntimeError):
     """The run's tokenizer folder cannot be loaded here; the message names it."""
 
@@ -169,8 +172,10 @@ async def turn_tokens(session: AsyncSession, answers: Answers, episode_id: uuid.
     if answers.hides_turns(is_oracle(row.config)):
         return {"turn": turn, "tokens": [], "redacted": ["tokens"]}
     tokenizer_dir = (row.config.get("sampler") or {}).get("tokenizer")
-    try:
-        tok = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir))
+    try:  # not queued behind another load for long: a 409 the viewer tries again
+        tok = await asyncio.to_thread(load_tokenizer, str(tokenizer_dir), TOKENIZER_WAIT_S)
+    except TimeoutError as e:
+        raise TokenizerUnavailable(answers.error(f"the run's tokenizer is not loaded yet: {e}; try again")) from e
     except Exception as e:  # noqa: BLE001 - any loading failure: say which folder
         raise TokenizerUnavailable(answers.error(f"the run's tokenizer {tokenizer_dir} cannot be loaded: "
                                                  f"{type(e).__name__}")) from e

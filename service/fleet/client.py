@@ -371,16 +371,22 @@ def _served_models(answer) -> list[dict] | str:
 _TOKENIZER_LOAD = threading.Lock()
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, wait_s: float | None = None):
     """The tokenizer and chat template of a model folder (the one the fleet serves), cached.
     Loaded one at a time: concurrent first loads of one folder (the episode viewer shades
-    several turns at once after a restart) could fail, and a failure is not cached."""
-    with _TOKENIZER_LOAD:
+    several turns at once after a restart) could fail, and a failure is not cached. With
+    `wait_s`, TimeoutError when another load holds the turn that long. Only a local folder:
+    a name that is not one is never looked up on a hub."""
+    if not _TOKENIZER_LOAD.acquire(timeout=-1 if wait_s is None else wait_s):
+        raise TimeoutError(f"another tokenizer is still loading; {path} was not loaded")
+    try:
         return _load_tokenizer(path)
+    finally:
+        _TOKENIZER_LOAD.release()
 
 
 @lru_cache(maxsize=8)
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
