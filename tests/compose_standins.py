@@ -15,18 +15,20 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-PYTHON = "swerve-standin/python:3.11-bookworm"
+PYTHON = "swerve-standin/python:3.11-bookworm-dev"
 POSTGRES = "swerve-standin/postgres:15-bookworm"
 REDIS = "swerve-standin/redis:7-bookworm"
 
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 
-# The official python image has pip in a Python it owns; Debian's refuses `pip install` into
-# the system (PEP 668) and its base here has a uid-1000 user the app image creates itself.
+# The official python image has pip in a Python it owns, with its headers (torch's inductor
+# compiles against them); Debian's refuses `pip install` into the system (PEP 668) and its base
+# here has a uid-1000 user the app image creates itself.
 PYTHON_DOCKERFILE = """\
 FROM {base}
 COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
-RUN rm -f /usr/lib/python3*/EXTERNALLY-MANAGED && ln -sf python3 /usr/bin/python \\
+RUN apt-get update && apt-get install -y --no-install-recommends python3-dev && rm -rf /var/lib/apt/lists/* \\
+    && rm -f /usr/lib/python3*/EXTERNALLY-MANAGED && ln -sf python3 /usr/bin/python \\
     && userdel --remove sandbox
 ENV LANG=C.UTF-8 PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin
 CMD ["python3"]

@@ -3,10 +3,12 @@ API built from the Dockerfile, which migrates and serves, and a worker) starts, 
 over the API and runs oracle episodes to a graded end in bubblewrap sandboxes inside the worker
 container; a restarted API and worker keep what was done. No registry is reachable here, so the
 registry's images are stood in for by tests/compose_standins (Debian packages on the sandboxes'
-debootstrap base)."""
+debootstrap base). The `cpu` profile's vLLM server, built from Dockerfile.vllm-cpu, serves the
+tiny model to a run of the cluster."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -160,3 +162,69 @@ def test_the_stack_refuses_work_without_the_token(stack):
         assert wrong.status_code == 401
         assert json.loads(client.get("/api/v1/health").text)["database"] == "postgresql"
 
+
+
+@pytest.fixture
+def wheels():
+    """torch's CPU wheel for the vLLM image: this host's wheel folder (PyTorch's index is out of
+    reach here) served to the image build over the Docker bridge, else PyTorch's index."""
+    import functools
+    import http.server
+    import threading
+
+    folder = Path(os.environ.get("SWERVE_TEST_WHEELS", "/opt/wheels"))
+    if not any(folder.glob("torch-*+cpu-*.whl")):
+        yield {}
+        return
+    config = json.loads(subprocess.run(["docker", "network", "inspect", "bridge", "-f", "{{json .IPAM.Config}}"],
+                                       capture_output=True, text=True).stdout)[0]
+    # the engine names the gateway, or leaves it to be the subnet's first address
+    gateway = config.get("Gateway") or str(next(ipaddress.ip_network(config["Subnet"]).hosts()))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer((gateway, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield {"SWERVE_PIP_FIND_LINKS": f"http://{gateway}:{server.server_port}/", "SWERVE_PIP_TRUSTED_HOST": gateway,
+               "SWERVE_TORCH_INDEX": ""}
+    finally:
+        server.shutdown()
+
+
+def test_the_cpu_profile_serves_the_tiny_model_to_a_run(stack, tmp_path, wheels):
+    headers = _auth(stack)
+    stack.env.update(wheels)
+    built = stack.compose("build", "vllm-cpu", timeout=1500)
+    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+    model = _copy_policy(stack, tmp_path)  # the whole tiny model: the server loads it from there
+    up = stack.compose("up", "-d", "vllm-cpu")
+    assert up.returncode == 0, up.stderr[-4000:]
+    deadline = time.monotonic() + 900
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{stack.env['SWERVE_VLLM_PORT']}/health", timeout=3).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        status = subprocess.run(["docker", "inspect", "-f", "{{.State.Status}}", stack.container("vllm-cpu")],
+                                capture_output=True, text=True).stdout.strip()
+        assert status == "running" and time.monotonic() < deadline, (status, stack.logs("vllm-cpu"))
+        time.sleep(3)
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        body = SUITE.read_text().splitlines()[0] + "\n"
+        suite = client.post("/api/v1/suites", params={"name": "compose-vllm"}, content=body,
+                            headers={"Content-Type": "application/x-ndjson", **headers})
+        assert suite.status_code == 201, suite.text
+        run = client.post("/api/v1/runs", headers=headers, json={
+            "suite_id": suite.json()["id"], "samples_per_task": 2, "concurrency": 2,
+            "sampler": {"type": "vllm", "endpoints": ["http://vllm-cpu:8100"], "model": "policy", "tokenizer": model},
+            "agent": {"max_turns": 3, "sampling": {"max_tokens": 32}}})
+        assert run.status_code == 201, run.text
+        state = _wait_run(client, run.json()["id"], stack)
+        episodes = client.get(f"/api/v1/runs/{run.json()['id']}/episodes", headers=headers).json()["items"]
+        errors = [(e["status"], e["error_message"]) for e in episodes if e["error_message"]]
+        assert state["status"] == "finished" and state["graded"] == 2, (errors, stack.logs("vllm-cpu", "worker"))
+        assert state["tokens"] > 0 and all(e["output_tokens"] > 0 for e in episodes), episodes
+        detail = client.get(f"/api/v1/episodes/{episodes[0]['id']}", params={"arrays": "json"}, headers=headers).json()
+        turn = detail["turns"][0]
+        assert len(turn["output_ids"]) == len(turn["output_logprobs"]) == turn["n_output_tokens"] > 0
+        assert all(lp <= 0 for lp in turn["output_logprobs"])
