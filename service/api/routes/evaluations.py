@@ -85,7 +85,7 @@ async def _evaluation(session, evaluation_id: uuid.UUID) -> tuple[Evaluation, st
 
 @router.post("", status_code=201, dependencies=TOKEN_REQUIRED, response_model=EvaluationPublic, openapi_extra=_BODY,
              responses={401: {"model": Problem}, 404: {"model": Problem}, 409: {"model": Problem},
-                        413: {"model": Problem}, 415: {"model": Problem}, 422: {"model": HTTPValidationError}})
+                        413: {"model": Problem}, 415: {"model": Problem}, 422: {"model": Problem | HTTPValidationError}})
 async def start_evaluation(
     request: Request, session: SessionDep, engine: EngineDep, settings: SettingsDep,
     suite_id: uuid.UUID,
