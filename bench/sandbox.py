@@ -1,8 +1,11 @@
 """Sandbox speed, side by side in one run: command round trip and sandbox start for our
 bubblewrap and Docker backends, SWE-ReX's local runtime, and one fresh `subprocess.run` per
 command (how mini-swe-agent executes actions); then 64 concurrent sandboxes per backend.
+Docker runs twice: containers created at each start, and taken from the warm pool
+(SWERVE_DOCKER_POOL=--pool). Each sandbox is held --hold seconds after its first command, as an
+episode holds it (not counted), which is when the pool refills.
 
-    .venv/bin/python bench/sandbox.py [--commands 1000] [--starts 50] [--concurrent 64]
+    .venv/bin/python bench/sandbox.py [--commands 1000] [--starts 50] [--concurrent 64] [--hold 0.5] [--pool 4]
 """
 
 from __future__ import annotations
@@ -80,13 +83,14 @@ def _wrap_in_work(tar: bytes) -> bytes:
     return out.getvalue()
 
 
-async def ours(config, n_commands: int, n_starts: int) -> tuple[list[float], list[float]]:
+async def ours(config, n_commands: int, n_starts: int, hold: float = 0.0) -> tuple[list[float], list[float]]:
     starts = []
     for _ in range(n_starts):
         t = time.perf_counter()
         async with open_sandbox(config) as sb:
             await sb.execute("true")
             starts.append(time.perf_counter() - t)
+            await asyncio.sleep(hold)
     async with open_sandbox(config) as sb:
         rtts = []
         for _ in range(n_commands):
@@ -147,7 +151,10 @@ async def main() -> None:
     parser.add_argument("--commands", type=int, default=1000)
     parser.add_argument("--starts", type=int, default=50)
     parser.add_argument("--concurrent", type=int, default=64)
+    parser.add_argument("--hold", type=float, default=0.5)
+    parser.add_argument("--pool", type=int, default=4)
     args = parser.parse_args()
+    from sandboxes.docker import POOL
 
     repo = make_repo(ROOT / "var" / "bench" / f"env-{ENV_MB}mb", ENV_MB)
     limits = SandboxLimits(memory_mb=512, pids=256)
@@ -155,21 +162,30 @@ async def main() -> None:
         bwrap = BwrapSandboxConfig(root=repo, limits=limits, state_dir=Path(state))
         docker = DockerSandboxConfig(image=docker_env_image(repo), limits=limits)
         rows = {}
-        rows["swerve bwrap"] = await ours(bwrap, args.commands, args.starts)
-        rows["swerve docker"] = await ours(docker, args.commands, args.starts)
+        rows["swerve bwrap"] = await ours(bwrap, args.commands, args.starts, args.hold)
+        rows["swerve docker"] = await ours(docker, args.commands, args.starts, args.hold)
+        os.environ["SWERVE_DOCKER_POOL"] = str(args.pool)
+        await ours(docker, 0, 1, 5.0)  # the first start is made afresh; then the pool fills
+        rows["swerve docker pool"] = await ours(docker, args.commands, args.starts, args.hold)
+        pooled_conc = await concurrent(docker, args.concurrent)
+        POOL.drain()
+        del os.environ["SWERVE_DOCKER_POOL"]
         rows["SWE-ReX local"] = await swerex(args.commands, args.starts)
         rows["subprocess.run"] = (fresh_subprocess(args.commands), [])
         conc = {"swerve bwrap": await concurrent(bwrap, args.concurrent),
-                "swerve docker": await concurrent(docker, args.concurrent)}
+                "swerve docker": await concurrent(docker, args.concurrent),
+                f"swerve docker pool {args.pool}": pooled_conc}
 
     base = statistics.median(rows["subprocess.run"][0])
     print(f"round trip of `true` over {args.commands} commands; start over {args.starts} "
-          f"sandboxes with a {ENV_MB} MB repository environment")
-    print(f"{'runtime':16} {'rtt p50 ms':>10} {'rtt p99 ms':>10} {'vs subprocess':>13} {'start p50 ms':>12}")
+          f"sandboxes with a {ENV_MB} MB repository environment, each held {args.hold} s")
+    print(f"{'runtime':18} {'rtt p50 ms':>10} {'rtt p99 ms':>10} {'vs subprocess':>13} {'start p50 ms':>12} "
+          f"{'start p99 ms':>12}")
     for name, (rtts, starts) in rows.items():
         p50 = statistics.median(rtts)
-        start = f"{statistics.median(starts) * 1e3:12.1f}" if starts else f"{'-':>12}"
-        print(f"{name:16} {p50 * 1e3:10.3f} {pct(rtts, 99) * 1e3:10.3f} {p50 / base:12.2f}x {start}")
+        start = (f"{statistics.median(starts) * 1e3:12.1f} {pct(starts, 99) * 1e3:12.1f}" if starts
+                 else f"{'-':>12} {'-':>12}")
+        print(f"{name:18} {p50 * 1e3:10.3f} {pct(rtts, 99) * 1e3:10.3f} {p50 / base:12.2f}x {start}")
     for name, (errors, seconds) in conc.items():
         print(f"{args.concurrent} concurrent {name}: {errors} errors, {seconds:.1f} s for all")
 

@@ -105,7 +105,7 @@ class _Capture:
 class ShellSession:
     """A supervisor process and its current shell. `run` is not re-entrant: callers lock."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, shell_pid: int, output_limit: int):
+    def __init__(self, proc, shell_pid: int, output_limit: int):
         self.proc, self.shell_pid, self.output_limit = proc, shell_pid, output_limit
         self._out: asyncio.Future | None = None
         self._ctl: asyncio.Future | None = None
@@ -121,6 +121,13 @@ class ShellSession:
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 20, pass_fds=pass_fds,
         )  # fmt: skip
+        return await cls.attach(proc, output_limit=output_limit, timeout_s=timeout_s, spawned=spawned)
+
+    @classmethod
+    async def attach(cls, proc, *, output_limit: int, timeout_s: float = 30.0,
+                     spawned: Callable[[], Awaitable[None]] | None = None) -> ShellSession:  # fmt: skip
+        """The session of a process already running SUPERVISOR (a subprocess, or anything with
+        its streams: sandboxes/docker_exec.ExecProcess), once its first shell is ready."""
         session = cls(proc, 0, output_limit)
         try:
             async with asyncio.timeout(timeout_s):
