@@ -88,9 +88,40 @@ async def ours(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float
         groups = await buffer.load(claim)
         read = time.perf_counter() - start
         assert sum(len(e.turns) for g in groups for e in g.episodes) == sum(len(t) for t in episodes)
+        BEFORE["read"] = await _read_as_before(buffer, claim.group_ids, sum(len(t) for t in episodes))
         return written, read
     finally:
         await engine.dispose()
+
+
+BEFORE: dict[str, float] = {}
+
+
+async def _read_as_before(buffer: Buffer, group_ids, n_turns: int) -> float:
+    """The same groups loaded as the buffer did before 2026-12-02: a prepared binary SELECT per
+    episode (the figure beside today's, from the same run)."""
+    from service.store import buffer as module
+
+    async def per_episode(conn, episode_ids):
+        raw = (await conn.get_raw_connection()).driver_connection
+        columns = ", ".join(c.name for c in module._TURN_COLUMNS)
+        out = []
+        async with raw.cursor(binary=True) as cur:
+            for episode_id in episode_ids:
+                await cur.execute(f"SELECT {columns} FROM turns WHERE episode_id = %s ORDER BY idx", (episode_id,),
+                                  prepare=True)
+                out += await cur.fetchall()
+        return out
+
+    today, module._fetch_turns = module._fetch_turns, per_episode
+    try:
+        start = time.perf_counter()
+        groups = await buffer.load_groups(group_ids)
+        took = time.perf_counter() - start
+    finally:
+        module._fetch_turns = today
+    assert sum(len(e.turns) for g in groups for e in g.episodes) == n_turns
+    return took
 
 
 def parquet(tmp: Path, episodes: list[list[TurnRecord]]) -> tuple[float, float]:
@@ -180,6 +211,8 @@ async def main() -> None:
     ours_w, ours_r = rows["swerve buffer"]
     copy_w, copy_r = rows["COPY (ceiling)"]
     print(f"swerve vs COPY: in {copy_w / ours_w:.2f}x, out {copy_r / ours_r:.2f}x of the ceiling")
+    print(f"reads as before (a SELECT per episode): {tokens / BEFORE['read']:.0f} tok/s, "
+          f"{copy_r / BEFORE['read']:.2f}x of the ceiling")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,46 @@ async def test_turns_are_idempotent_and_groups_ready_only_when_complete(buffer):
     assert next(e for e in group.episodes if e.id == episodes[1]).reward is None
 
 
+async def test_load_gives_every_episodes_turns_exactly_and_in_order(buffer):
+    """Several groups and episodes read back in one go: each episode its own turns, in turn
+    order whatever order they were written in, arrays bit for bit, absent arrays absent."""
+    groups = await make_groups(buffer.engine, 3, size=3)
+    rng = np.random.default_rng(7)
+    written: dict[uuid.UUID, dict[int, TurnRecord]] = {}
+    for _, episodes in groups:
+        for n, e in enumerate(episodes):
+            order = rng.permutation(2 + n)
+            for idx in order.tolist():
+                k = int(rng.integers(1, 300))
+                t = TurnRecord(idx=idx, segment=idx // 2, input_ids=rng.integers(0, 150_000, k).tolist(),
+                               output_ids=rng.integers(0, 150_000, k + 1).tolist(),
+                               output_logprobs=None if idx == 1 else (-rng.random(k + 1)).astype(np.float32).tolist(),
+                               policy_version=idx % 3, routed_experts=None if n == 0 else
+                               rng.integers(0, 256, (2 * k + 1, 4, 8)).astype(np.uint8))
+                await buffer.append_turn(e, t)
+                written.setdefault(e, {})[idx] = t
+    await finish_all(buffer, groups)
+    claim = await buffer.claim(3, trainer_step=0, max_staleness=2)
+    loaded = await buffer.load(claim)
+    assert sorted(g.id for g in loaded) == sorted(g for g, _ in groups)
+    for group in loaded:
+        for episode in group.episodes:
+            want = written[episode.id]
+            assert [t.idx for t in episode.turns] == sorted(want)
+            for got in episode.turns:
+                ref = want[got.idx]
+                assert (got.segment, got.policy_version) == (ref.segment, ref.policy_version)
+                assert got.input_ids.tolist() == list(ref.input_ids) and got.output_ids.tolist() == list(ref.output_ids)
+                if ref.output_logprobs is None:
+                    assert got.output_logprobs is None
+                else:
+                    assert got.output_logprobs.tobytes() == np.asarray(ref.output_logprobs, dtype=np.float32).tobytes()
+                if ref.routed_experts is None:
+                    assert got.routed_experts is None
+                else:
+                    assert np.array_equal(got.routed_experts, ref.routed_experts)
+
+
 async def test_claim_commit_exactly_once(buffer):
     await finish_all(buffer, await make_groups(buffer.engine, 3))
     claim = await buffer.claim(2, trainer_step=1, max_staleness=4)

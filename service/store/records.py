@@ -53,15 +53,17 @@ def decode_array(blob: bytes) -> np.ndarray:
     if dt is None or codec not in (RAW, ZLIB):
         raise ArrayFormatError(f"unknown dtype {dtype_code} or codec {codec}")
     shape = struct.unpack_from(f"<{ndim}I", blob, 8)
-    payload = blob[8 + 4 * ndim :]
+    start = 8 + 4 * ndim
     if codec == ZLIB:
         try:
-            payload = zlib.decompress(payload)
+            payload, start = zlib.decompress(memoryview(blob)[start:]), 0
         except zlib.error as e:
             raise ArrayFormatError(f"damaged payload: {e}") from e
-    if len(payload) != dt.itemsize * int(np.prod(shape, dtype=np.int64)):
-        raise ArrayFormatError(f"payload of {len(payload)} bytes does not fit shape {shape}")
-    return np.frombuffer(payload, dtype=dt).reshape(shape)
+    else:
+        payload = blob  # read in place: slicing bytes would copy every payload once more
+    if len(payload) - start != dt.itemsize * int(np.prod(shape, dtype=np.int64)):
+        raise ArrayFormatError(f"payload of {len(payload) - start} bytes does not fit shape {shape}")
+    return np.frombuffer(payload, dtype=dt, offset=start).reshape(shape)
 
 
 def encode_ids(ids) -> bytes:
