@@ -99,3 +99,23 @@ def test_rl_profile_runs_the_job_against_the_cluster():
     assert "service.fleet.extension.SwerveWorkerExtension" in vllm["command"]
     assert {"vllm-rl", "api", "worker"} <= set(trainer["depends_on"])
     assert "model-init" in vllm["depends_on"]
+
+
+def test_the_build_context_carries_the_sources_and_no_environment(tmp_path):
+    """What `docker build .` sends the engine, as the Docker client reads .dockerignore: the
+    sources the Dockerfiles copy, and none of the virtual environments, caches and data a
+    working copy holds (a .venv-vllm alone is gigabytes, sent again by every build)."""
+    from docker.utils.build import exclude_paths
+
+    patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    # a working copy's heavy folders, made here so the check does not depend on this checkout
+    work = tmp_path / "repo"
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv*", "var", "build", "*.egg-info"))
+    for folder in (".venv/lib", ".venv-vllm/lib", "var/images", "build/lib", ".cache/pip", "swerve.egg-info"):
+        (work / folder).mkdir(parents=True, exist_ok=True)
+        (work / folder / "heavy.bin").write_bytes(b"\0" * 1024)
+    sent = exclude_paths(str(work), patterns)
+    assert not [p for p in sent if p.endswith("heavy.bin")], sorted(p for p in sent if p.endswith("heavy.bin"))
+    for needed in ("pyproject.toml", "README.md", "service/cli.py", "service/store/migrations/env.py",
+                   "sandboxes/docker.py", "trainer/__init__.py", "envs/example_suite/suite.jsonl"):
+        assert needed in sent, needed

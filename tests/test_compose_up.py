@@ -4,7 +4,8 @@ over the API and runs oracle episodes to a graded end in bubblewrap sandboxes in
 container; a restarted API and worker keep what was done. No registry is reachable here, so the
 registry's images are stood in for by tests/compose_standins (Debian packages on the sandboxes'
 debootstrap base). The `cpu` profile's vLLM server, built from Dockerfile.vllm-cpu, serves the
-tiny model to a run of the cluster."""
+tiny model to a run of the cluster; the `rl` profile (the trainer's image, the policy made once,
+its vLLM server) runs the RL job through the cluster's database, broker and worker."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from service.fleet.tiny_model import init_tiny
 from tests.conftest import missing_service
@@ -45,7 +47,7 @@ class Stack:
 
     def compose(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run([*_compose(), "-p", self.project, "-f", str(ROOT / "docker-compose.yml"),
-                               "--profile", "cpu", *args],
+                               "--profile", "cpu", "--profile", "rl", *args],
                               cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def logs(self, *services: str) -> str:
@@ -164,10 +166,12 @@ def test_the_stack_refuses_work_without_the_token(stack):
 
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def wheels():
-    """torch's CPU wheel for the vLLM image: this host's wheel folder (PyTorch's index is out of
-    reach here) served to the image build over the Docker bridge, else PyTorch's index."""
+    """torch's CPU wheel for the vLLM and trainer images: this host's wheel folder (PyTorch's
+    index is out of reach here) served to the image builds over the Docker bridge, else
+    PyTorch's index. One server for the module: its address is a build argument, and a new
+    port would make the engine build the vLLM image again instead of taking its cache."""
     import functools
     import http.server
     import threading
@@ -181,7 +185,11 @@ def wheels():
     # the engine names the gateway, or leaves it to be the subnet's first address
     gateway = config.get("Gateway") or str(next(ipaddress.ip_network(config["Subnet"]).hosts()))
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer((gateway, 0), handler)
+    try:  # the same address in every session, so a rebuild here takes the engine's cache
+        server = http.server.ThreadingHTTPServer((gateway, int(os.environ.get("SWERVE_TEST_WHEELS_PORT", "47311"))),
+                                                 handler)
+    except OSError:
+        server = http.server.ThreadingHTTPServer((gateway, 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield {"SWERVE_PIP_FIND_LINKS": f"http://{gateway}:{server.server_port}/", "SWERVE_PIP_TRUSTED_HOST": gateway,
@@ -228,3 +236,38 @@ def test_the_cpu_profile_serves_the_tiny_model_to_a_run(stack, tmp_path, wheels)
         turn = detail["turns"][0]
         assert len(turn["output_ids"]) == len(turn["output_logprobs"]) == turn["n_output_tokens"] > 0
         assert all(lp <= 0 for lp in turn["output_logprobs"])
+
+
+def test_the_rl_profile_runs_the_rl_job(stack, wheels):
+    """The trainer service's own command (`swerve rl` on the example suite against vllm-rl), two
+    steps instead of four so CI affords it: the trainer trains in its container on groups the
+    cluster's worker sampled from vllm-rl, publishes each version, the server reloads it, and
+    the job's evaluation runs on the held-out tasks."""
+    stack.env.update(wheels)
+    stack.compose("stop", "vllm-cpu", timeout=300)  # its KV cache is memory the rl server needs
+    built = stack.compose("build", "trainer", "vllm-rl", timeout=1500)
+    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+    config = stack.compose("config")
+    assert config.returncode == 0, config.stderr
+    command = yaml.safe_load(config.stdout)["services"]["trainer"]["command"]
+    assert command[:2] == ["swerve", "rl"], command
+    job = stack.compose("run", "--rm", "trainer", *command, "--job.steps=2", "--job.name=compose", timeout=1500)
+    log = job.stdout[-6000:] + job.stderr[-3000:]
+    if job.returncode != 0:
+        trainer = stack.compose("run", "--rm", "--no-deps", "trainer", "tail", "-n", "60", "/data/rl/compose.trainer.log")
+        raise AssertionError(f"the job failed:\n{log}\ntrainer log:\n{trainer.stdout[-6000:]}\n"
+                             f"{stack.logs('vllm-rl', 'worker')}")
+    headers = _auth(stack)
+    with httpx.Client(base_url=stack.url, timeout=30, headers=headers) as client:
+        runs = client.get("/api/v1/runs", params={"limit": 100}).json()["items"]
+        train = [r for r in runs if r["name"] == "compose" and r["kind"] == "train"]
+        assert len(train) == 1 and train[0]["status"] == "finished", (runs, log)
+        versions = sorted(p["version"] for p in client.get("/api/v1/policies").json()["items"])
+        assert versions[-1] == 2 and set(versions) >= {1, 2}, (versions, log)
+        evals = [r for r in runs if r["kind"] == "eval"]
+        assert evals and all(r["status"] == "finished" for r in evals), evals
+    served = subprocess.run([*_compose(), "-p", stack.project, "-f", str(ROOT / "docker-compose.yml"), "--profile", "rl",
+                             "exec", "-T", "vllm-rl", "python3", "-c",
+                             "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8100/weight_info').read().decode())"],
+                            cwd=ROOT, env=stack.env, capture_output=True, text=True, timeout=60)
+    assert served.returncode == 0 and json.loads(served.stdout)["weight_version"] == "2", (served.stdout, served.stderr)

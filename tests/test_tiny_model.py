@@ -39,6 +39,8 @@ def test_same_seed_same_model_small_and_loadable(tmp_path, moe):
     c = init_tiny(tmp_path / "c", TinyModelSpec(moe=moe, seed=1))
     assert digest(a) == digest(b) != digest(c)
     assert sum(p.stat().st_size for p in a.iterdir()) < 8 * 1024 * 1024
+    # every user may read it: a cluster's trainer and servers are not the user that made it
+    assert not [p.name for p in a.iterdir() if p.stat().st_mode & 0o444 != 0o444]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

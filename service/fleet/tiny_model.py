@@ -143,6 +143,10 @@ def init_tiny(out: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     GenerationConfig(eos_token_id=config.eos_token_id, bos_token_id=config.bos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)
     (out / "swerve_model.json").write_text(json.dumps({"kind": "tiny", **spec.__dict__}) + "\n")
+    # readable by every user that loads it (transformers writes the weights 0600): a cluster's
+    # trainer and servers run as users other than the one that made the model
+    for f in out.iterdir():
+        f.chmod(f.stat().st_mode | 0o444)
     return out
 
 
