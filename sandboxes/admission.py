@@ -91,9 +91,17 @@ def _next_start(folder: Path, rate: float) -> float:
         os.close(fd)
 
 
+def paced_creation() -> None:
+    """Wait (blocking) for a start instant: for sandboxes made ahead of their start (Docker's
+    warm pool), which count against the host's starts per second when they are made."""
+    if (wait := _next_start(_folder(), starts_per_s()) - time.time()) > 0:
+        time.sleep(wait)
+
+
 @asynccontextmanager
-async def admitted(what: str = "sandbox") -> AsyncIterator[None]:
-    """Wait for a live slot and a start instant, hold the slot until the block ends."""
+async def admitted(what: str = "sandbox", pace: bool = True) -> AsyncIterator[None]:
+    """Wait for a live slot and a start instant (`pace`: False for a sandbox already made, whose
+    making took its instant), hold the slot until the block ends."""
     folder, limit, rate = _folder(), max_live(), starts_per_s()
     asked, delay, warned = time.monotonic(), 0.02, False
     while (fd := await asyncio.to_thread(_try_slot, folder, limit)) is None:
@@ -103,9 +111,10 @@ async def admitted(what: str = "sandbox") -> AsyncIterator[None]:
         await asyncio.sleep(delay * (0.5 + random.random()))
         delay = min(delay * 2, 1.0)
     try:
-        start_at = await asyncio.to_thread(_next_start, folder, rate)
-        if (wait := start_at - time.time()) > 0:
-            await asyncio.sleep(wait)
+        if pace:
+            start_at = await asyncio.to_thread(_next_start, folder, rate)
+            if (wait := start_at - time.time()) > 0:
+                await asyncio.sleep(wait)
         yield
     finally:
         os.close(fd)  # releases the flock: the slot is free for the next sandbox

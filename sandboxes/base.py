@@ -81,7 +81,9 @@ async def open_sandbox(config) -> AsyncIterator[Sandbox]:
     slot and a start instant, sandboxes/admission.py); close it whatever happens."""
     from sandboxes.admission import admitted
 
-    async with admitted(getattr(config, "type", "sandbox")):
+    # a sandbox handed out ready-made (Docker's warm pool) took its start instant when it was made
+    ready = getattr(config, "ready_made", None)
+    async with admitted(getattr(config, "type", "sandbox"), pace=not (ready is not None and ready())):
         sandbox = await config.build()
         try:
             yield sandbox

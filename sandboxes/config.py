@@ -53,6 +53,12 @@ class DockerSandboxConfig(BaseModel):
             raise ValueError("remove_paths may not climb with '..'")
         return v
 
+    def ready_made(self) -> bool:
+        """Whether this process's warm pool holds a container for this config now."""
+        from sandboxes.docker import POOL
+
+        return POOL.size() > 0 and POOL.ready_count(self) > 0
+
     async def build(self) -> Sandbox:
         from sandboxes.docker import DockerSandbox
 

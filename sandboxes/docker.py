@@ -19,6 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from sandboxes.admission import paced_creation
 from sandboxes.base import SandboxError, SandboxLimits, path_with_env
 from sandboxes.cgroups import ROOT as CGROUP_ROOT
 from sandboxes.cgroups import Cgroups, ns_pid, ns_ppid
@@ -452,6 +453,7 @@ class WarmPool:
                 with self._lock:
                     if len(self._ready.get(key, ())) >= self._target.get(key, 0) or generation != self._generation:
                         return
+                paced_creation()  # a creation like any start's: within the host's starts per second
                 container = DockerSandbox._create(client, config, image, f"swd-{uuid.uuid4().hex[:16]}", idle,
                                                   disk_limit)
                 try:

@@ -79,6 +79,27 @@ async def test_starts_take_ready_containers_each_once(client):
     assert POOL.ready_count(other) == 0  # another environment key has a pool of its own
 
 
+async def test_the_pool_makes_containers_within_the_hosts_start_rate_and_hands_them_out_at_once(
+        client, monkeypatch, tmp_path):
+    """Filling the pool is creating containers, paced with every other start of the host
+    (SWERVE_SANDBOX_STARTS_PER_S); handing a ready one out creates nothing and waits for no pace."""
+    monkeypatch.setenv("SWERVE_SANDBOX_DIR", str(tmp_path / "sandboxes"))  # a start schedule of its own
+    monkeypatch.setenv("SWERVE_SANDBOX_STARTS_PER_S", "1")
+    config = DockerSandboxConfig()
+    for _ in range(2):
+        async with open_sandbox(config):
+            pass
+    _wait_ready(config, 2)
+    made = sorted(float(c.labels["swerve.created_at"]) for c in _containers(client))
+    assert len(made) == 2 and made[1] - made[0] >= 0.9, made
+    for _ in range(2):
+        started = time.monotonic()
+        async with open_sandbox(config) as sb:
+            assert (await sb.execute("echo ok")).output == "ok\n"
+            assert time.monotonic() - started < 0.9  # no start instant waited for
+    POOL.drain()
+
+
 async def test_a_container_waiting_too_long_is_removed_not_handed_out(client, monkeypatch):
     monkeypatch.setenv("SWERVE_DOCKER_POOL_IDLE_S", "1")
     config = DockerSandboxConfig()
