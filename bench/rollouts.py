@@ -3,12 +3,19 @@ model latency per turn, on this machine, through the real path (orchestrator -> 
 `swerve worker` process -> bubblewrap sandboxes -> PostgreSQL, graded by the task's tests).
 
 For each concurrency (64 -> 512 by default) one run of that many episodes of the example suite:
-wall time, episodes/s, turns/s, the worker process's CPU per turn (the service's own cost:
-agent loop, Celery, database writes), CPU per episode of the whole machine (sandboxes, grading
-with pytest, PostgreSQL included), and the mean turn overhead beyond model latency and tool
-time.
+wall time, episodes/s, turns/s, the worker process's own CPU per turn (the service's own cost:
+agent loop, Celery, database writes, sandbox and grading management, all its threads; not the
+processes it starts), the CPU of the processes it started and reaped (the sandboxes' commands
+and pytest grading), CPU per episode of the whole machine (PostgreSQL included), and the mean
+turn overhead beyond model latency and tool time.
+
+With --profile FOLDER the worker is sampled by py-spy (100 Hz) during the last concurrency: a flame
+graph (worker.svg), the collapsed stacks (worker.txt), and the worker's CPU split into phases
+(each sample goes to the innermost frame that names one: sandbox, grading, database, Celery,
+agent loop with tokenizer and chat template, else other).
 
     .venv/bin/python bench/rollouts.py [--concurrency 64 128 256 512] [--turns 10] [--latency 1.0]
+                                       [--profile bench/profiles]
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,16 +54,32 @@ BROKER = os.environ.get("SWERVE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/13")
 
 
 def tree_cpu(proc: psutil.Process) -> tuple[float, float]:
-    """CPU seconds of the process itself, and of its live descendants."""
+    """CPU seconds of the process itself (all its threads), and of the children it reaped (the
+    sandboxes' processes, grading)."""
     own = proc.cpu_times()
-    kids = 0.0
-    for child in proc.children(recursive=True):
-        try:
-            t = child.cpu_times()
-            kids += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return own.user + own.system + own.children_user + own.children_system, kids
+    return own.user + own.system, own.children_user + own.children_system
+
+
+# innermost frame first: a psycopg call made by the agent loop is database time
+PHASES = [("sandbox", ("sandboxes/",)), ("grading", ("grading", "envs/harness", "log_parsers")),
+          ("database", ("sqlalchemy/", "psycopg", "service/store/", "asyncpg")),
+          ("Celery", ("celery/", "kombu/", "billiard/", "redis/", "amqp/")),
+          ("agent loop", ("service/worker/", "envs/", "transformers/", "tokenizers/", "jinja2/", "service/fleet/"))]
+
+
+def phase_split(collapsed: Path) -> dict[str, float]:
+    """Fractions of the worker's sampled CPU per phase, from py-spy's collapsed stacks."""
+    counts: dict[str, float] = {name: 0.0 for name, _ in PHASES} | {"other": 0.0}
+    for line in collapsed.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        phase = next((name for frame in reversed(frames) for name, marks in PHASES
+                      if any(m in frame for m in marks)), "other")
+        counts[phase] += float(n)
+    total = sum(counts.values()) or 1.0
+    return {k: v / total for k, v in counts.items()}
 
 
 def machine_cpu() -> float:
@@ -71,7 +95,7 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
         "suite_id": suite_id, "samples_per_task": -(-n // tasks), "concurrency": n, "worker_timeout_s": 600,
         "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls, "latency_s": latency},
         "agent": {"max_turns": turns + 2}})  # fmt: skip
-    worker_before, machine_before = tree_cpu(worker)[0], machine_cpu()
+    (worker_before, kids_before), machine_before = tree_cpu(worker), machine_cpu()
     started = time.perf_counter()
     run_id = await create_run(engine, cfg)
     supervisor.start(run_id)
@@ -86,7 +110,8 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
             break
         await asyncio.sleep(0.5)
     wall = time.perf_counter() - started
-    worker_cpu, machine = tree_cpu(worker)[0] - worker_before, machine_cpu() - machine_before
+    (worker_cpu, kids_cpu), machine = tree_cpu(worker), machine_cpu() - machine_before
+    worker_cpu, kids_cpu = worker_cpu - worker_before, kids_cpu - kids_before
     async with engine.connect() as conn:
         counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count()).where(Episode.run_id == run_id)
                                           .group_by(Episode.status))).all())
@@ -102,6 +127,8 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
     return {"concurrency": n, "episodes": episodes, "statuses": counts, "peak_running": peak_running,
             "wall_s": wall, "episodes_per_s": episodes / wall, "turns_per_s": n_turns / wall,
             "worker_cpu_ms_per_turn": 1000 * worker_cpu / max(n_turns, 1),
+            "worker_cpu_ms_per_episode": 1000 * worker_cpu / max(episodes, 1),
+            "children_cpu_ms_per_turn": 1000 * kids_cpu / max(n_turns, 1),
             "machine_cpu_s_per_episode": machine / max(episodes, 1),
             "turn_overhead_ms": 1000 * statistics.mean(gaps) if gaps else float("nan")}
 
@@ -131,23 +158,43 @@ async def main(args) -> None:
         rows = []
         print(f"{args.turns} tool calls + submit per episode, {args.latency} s simulated model latency per turn, "
               f"{psutil.cpu_count()} CPUs")
-        for n in args.concurrency:
+        for i, n in enumerate(args.concurrency):
+            spy = None
+            if args.profile and i == len(args.concurrency) - 1:  # warm: the worker's start-up is behind it
+                args.profile.mkdir(parents=True, exist_ok=True)
+                pyspy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+                spy = [subprocess.Popen([pyspy or "py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", fmt,
+                                         "-o", str(args.profile / f"worker.{ext}"), "--nonblocking"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       for fmt, ext in (("raw", "txt"), ("flamegraph", "svg"))]
             row = await one(engine, supervisor, suite.suite_id, tokenizer, n, args.turns, args.latency, worker)
             rows.append(row)
+            for s in spy or ():
+                s.send_signal(2)  # py-spy writes its output on SIGINT
+                s.wait(timeout=60)
+            if spy:
+                row["phases"] = phase_split(args.profile / "worker.txt")
             print(f"{n:5d} in flight: {row['episodes']} episodes {row['statuses']} in {row['wall_s']:.1f} s "
                   f"(peak running {row['peak_running']}): {row['episodes_per_s']:.2f} episodes/s, "
-                  f"{row['turns_per_s']:.0f} turns/s, worker CPU {row['worker_cpu_ms_per_turn']:.2f} ms/turn, "
+                  f"{row['turns_per_s']:.0f} turns/s, worker CPU {row['worker_cpu_ms_per_turn']:.2f} ms/turn "
+                  f"(+ {row['children_cpu_ms_per_turn']:.2f} ms/turn in the sandboxes and grading it started), "
                   f"machine CPU {row['machine_cpu_s_per_episode']:.2f} s/episode, "
                   f"turn overhead {row['turn_overhead_ms']:.0f} ms", flush=True)
         base = rows[0]
         print("\n| in flight | episodes | wall s | episodes/s | x vs first | turns/s | worker CPU ms/turn | "
-              "machine CPU s/episode | turn overhead ms |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "its children ms/turn | machine CPU s/episode | turn overhead ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['concurrency']} | {r['episodes']} | {r['wall_s']:.1f} | {r['episodes_per_s']:.2f} | "
                   f"{r['episodes_per_s'] / base['episodes_per_s']:.2f} | {r['turns_per_s']:.0f} | "
-                  f"{r['worker_cpu_ms_per_turn']:.2f} | {r['machine_cpu_s_per_episode']:.2f} | "
-                  f"{r['turn_overhead_ms']:.0f} |")
+                  f"{r['worker_cpu_ms_per_turn']:.2f} | {r['children_cpu_ms_per_turn']:.2f} | "
+                  f"{r['machine_cpu_s_per_episode']:.2f} | {r['turn_overhead_ms']:.0f} |")
+        for r in rows:
+            if "phases" in r:
+                per_episode = r["worker_cpu_ms_per_episode"]
+                print(f"\nworker CPU per episode at {r['concurrency']} in flight: {per_episode:.1f} ms, by phase "
+                      "(py-spy samples): " + ", ".join(f"{k} {v * per_episode:.1f} ms ({v:.0%})"
+                                                       for k, v in r["phases"].items()))
         await supervisor.close()
         await engine.dispose()
     finally:
@@ -165,4 +212,5 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--latency", type=float, default=1.0)
+    parser.add_argument("--profile", type=Path, default=None)
     asyncio.run(main(parser.parse_args()))
