@@ -115,7 +115,6 @@ class ExecProcess:
         self.stdin: _Pipe | None = None
         self.returncode: int | None = None
         self._pump: asyncio.Task | None = None
-        self.pid = None
 
     @classmethod
     async def adopt(cls, client, started: Exec) -> ExecProcess:
