@@ -18,6 +18,7 @@ import shutil
 import stat
 import subprocess
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -155,17 +156,21 @@ git -c gc.cruftPacks=false gc -q --prune=now
 """
 
 
-_locks: dict[str, asyncio.Lock] = {}
+# an asyncio lock is bound to the first event loop that waits on it: one set per loop (a
+# worker may run one loop after another), while the flock also serves threads of this process
+_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = weakref.WeakKeyDictionary()
 
 
 class _KeyLock:
-    """An asyncio lock per key within the process, and an flock across processes."""
+    """An asyncio lock per key within the event loop, and an flock across loops and processes."""
 
     def __init__(self, folder: Path, key: str):
         self.path, self.key, self._fd = folder / f".lock-{key}", key, None
+        self._lock: asyncio.Lock | None = None
 
     async def __aenter__(self):
-        await _locks.setdefault(self.key, asyncio.Lock()).acquire()
+        self._lock = _locks.setdefault(asyncio.get_running_loop(), {}).setdefault(self.key, asyncio.Lock())
+        await self._lock.acquire()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR)
         await asyncio.to_thread(fcntl.flock, self._fd, fcntl.LOCK_EX)
@@ -174,7 +179,7 @@ class _KeyLock:
     async def __aexit__(self, *exc):
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
-        _locks[self.key].release()
+        self._lock.release()
 
 
 def checkout(spec: ImageSpec, dest: Path) -> None:

@@ -56,6 +56,21 @@ async def test_environment_is_built_once_and_shared_copy_on_write(backend, tmp_p
         assert (configs[0].root / "lib.py").read_text() == "VALUE = 1\n"
 
 
+def test_concurrent_builds_of_one_environment_in_one_event_loop_after_another(tmp_path):
+    """A worker may run one event loop after another (embedded mode, a task per loop): builds
+    of the same key waiting on each other in each loop (its lock was bound to the first loop)."""
+    require_bwrap()
+    first, _ = git_repo(tmp_path / "repo")
+    spec = ImageSpec(source=str(tmp_path / "repo"), commit=first, install=("echo build >> builds.txt",))
+
+    async def two_builds(cache: Path) -> set[Path]:
+        return set(await asyncio.gather(*(prepare_bwrap(spec, cache) for _ in range(2))))
+
+    for loop_number in range(2):
+        (root,) = asyncio.run(two_builds(tmp_path / f"images-{loop_number}"))
+        assert (root / "builds.txt").read_text() == "build\n"
+
+
 async def test_tasks_of_one_environment_share_its_build_and_start_where_each_starts(backend, tmp_path):
     """Tasks of one repository with one setup commit and install (SWE-bench's (repo, version)):
     install runs once; each task's image is that environment moved to its own start, with no
