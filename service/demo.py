@@ -7,7 +7,9 @@ worker, the buffer, the torchtitan trainer, weight reloads, the RL job's evaluat
 
 1. generate: a task family (envs.families, "pyfix") in three splits: train, heldout (names and
    constants never seen in training) and heldout-templates (bug templates never seen);
-2. a small Qwen3 made here (random weights, the tokenizer trained on the repository's text);
+2. a small Qwen3 made here (the tokenizer trained on the repository's text), pretrained here
+   to copy (service.fleet.pretrain: random-token repeats, then synthetic software text; no
+   task, demonstration or tool-call markup), cached for the seed;
 3. demonstrations: a `demo` run over a few train tasks (view, str_replace, submit: the gold
    fix as an edit), recorded through the loop like any episode;
 4. SFT: the trainer on those trajectories as a fixed dataset (trainer.dataset), advantage 1;
@@ -39,6 +41,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from service.config import Settings
+from service.fleet.pretrain import PretrainSpec
 from service.fleet.server import die_with_parent
 from service.fleet.tiny_model import TinyModelSpec
 
@@ -56,8 +59,11 @@ class LearnPlan:
     demos: int = 512
     """Demonstrated train tasks: the only supervision the policy ever gets. Probes with 48 and
     128 demonstrations (a 2-layer model) learned the format but copied no name it had not seen."""
-    model: TinyModelSpec = TinyModelSpec(layers=4)
-    """The policy's size (its seed is the plan's): small enough to train in minutes on 2 cores."""
+    model: TinyModelSpec = TinyModelSpec(layers=4, tie_embeddings=True, qk_norm_init=0.3)
+    """The policy's size (its seed is the plan's): small enough to train in minutes on 2 cores;
+    tied embeddings and soft query/key norms at the start let pretraining grow a copying circuit."""
+    pretrain: PretrainSpec = PretrainSpec()
+    """Pretraining before any demonstration (its seed is the plan's); None: the random model."""
     max_turns: int = 3
     """View, edit, submit: the demonstrated fix; an episode out of turns is graded all the same."""
     max_tokens: int = 128
@@ -90,7 +96,10 @@ class LearnPlan:
     @classmethod
     def quick(cls, seed: int = 0) -> LearnPlan:
         """Every stage, a few steps on a few tasks: the pipeline, not the learning (CI)."""
-        return cls(seed=seed, n_train=4, n_heldout=2, n_heldout_templates=2, demos=2, model=TinyModelSpec(),
+        return cls(seed=seed, n_train=4, n_heldout=2, n_heldout_templates=2, demos=2,
+                   model=TinyModelSpec(tie_embeddings=True, qk_norm_init=0.3),
+                   pretrain=PretrainSpec(copy_steps=2, mixed_steps=2, copy_rows=2, doc_rows=1, doc_len=256,
+                                         mixed_copy_rows=1, warmup=1),
                    eval_samples=2, eval_templates_samples=1, sft_steps=2, sft_groups_per_step=2, rl_steps=2,
                    rl_groups_per_step=1, rl_samples=2, rl_eval_every=1, rl_eval_tasks=2, rl_eval_samples=1,
                    concurrency=4, max_tokens=48)
@@ -228,7 +237,6 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     from envs.families import generate
     from service import rl
     from service.embedded import start_vllm
-    from service.fleet.tiny_model import init_tiny
     from service.store import db
 
     root = settings.data_dir.resolve()
@@ -240,7 +248,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         db.upgrade(s.resolved_database_url)
     stages: list[Stage] = []
     began = time.monotonic()
-    out = {"plan": asdict(plan), "parameters": None, "evals": {}, "stages": [], "wall_s": 0.0, "rl_run_id": None,
+    out = {"plan": asdict(plan), "parameters": None, "pretrain": None, "evals": {}, "stages": [], "wall_s": 0.0, "rl_run_id": None,
            "screenshot": None, "machine": machine(), "complete": False}
 
     def save() -> None:
@@ -267,13 +275,14 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     train_ids = [r["instance_id"] for r in rows["train"]]
     heldout_ids = [r["instance_id"] for r in rows["heldout"]]
 
-    # 2. the model
+    # 2. the model, pretrained (cached: the same spec and seed give the same folder)
     t = time.monotonic()
-    base = root / "models" / f"base-s{plan.seed}"
-    if not (base / "config.json").exists():
-        init_tiny(base, replace(plan.model, seed=plan.seed))
+    base = _model(root / "models", plan, console)
     out["parameters"] = _parameters(base)
-    stage("model", t, parameters=out["parameters"])
+    pre = json.loads((base / "pretrain.json").read_text()) if (base / "pretrain.json").exists() else None
+    out["pretrain"] = pre and {k: v for k, v in pre.items() if k != "history"}
+    stage("model", t, parameters=out["parameters"],
+          **({"copy_accuracy": round(pre["copy_accuracy"], 3), "pretrain_s": pre["wall_s"]} if pre else {}))
 
     vllm = start_vllm(settings, base, vllm_port, console, max_model_len=plan.max_model_len, die_with_parent=True)
     try:
@@ -350,6 +359,29 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     out |= {"screenshot": str(shot) if shot else None, "complete": True}
     save()
     return out
+
+
+def _model(models: Path, plan: LearnPlan, console) -> Path:
+    """The policy's start: the model made here, pretrained by plan.pretrain, in a folder named by
+    a hash of both (so a demo run again, or resumed, pretrains once)."""
+    import hashlib
+
+    from service.fleet.pretrain import pretrain
+    from service.fleet.tiny_model import init_tiny
+
+    spec = replace(plan.model, seed=plan.seed)
+    key = hashlib.sha256(json.dumps([asdict(spec), plan.pretrain and asdict(replace(plan.pretrain, seed=plan.seed))],
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    init = models / f"init-s{plan.seed}-{key}"
+    if not (init / "swerve_model.json").exists():
+        init_tiny(init, spec)
+    if plan.pretrain is None:
+        return init
+    base = models / f"pretrained-s{plan.seed}-{key}"
+    if not (base / "pretrain.json").exists():
+        with console.status("pretraining the model to copy (service.fleet.pretrain)") as status:
+            pretrain(init, base, replace(plan.pretrain, seed=plan.seed), log=lambda m: status.update(m))
+    return base
 
 
 def _parameters(model: Path) -> int:
@@ -429,7 +461,10 @@ def results_section(out: dict, cmd: str) -> str:
     lines = [
         f"## demo learn (`swerve demo learn`), {time.strftime('%Y-%m-%d')}", "",
         f"`{cmd}` on {out['machine']['cores']} cores ({out['machine']['cpu']}), "
-        f"{out['wall_s'] / 60:.1f} min in all. A {out['parameters'] / 1e6:.2f}M-parameter Qwen3 made here; "
+        f"{out['wall_s'] / 60:.1f} min in all. A {out['parameters'] / 1e6:.2f}M-parameter Qwen3 made here"
+        + (f", pretrained here to copy (service.fleet.pretrain: {pre['tokens'] / 1e6:.1f}M tokens of random-token "
+           f"repeats and synthetic software text, no task or tool call, {pre['wall_s'] / 60:.1f} min; accuracy on "
+           f"random-token repeats {pre['copy_accuracy']:.2f})" if (pre := out.get("pretrain")) else "") + "; "
         f"{plan['demos']} demonstrations (view, str_replace, submit) of train tasks; "
         f"{plan['n_heldout']} held-out tasks x {plan['eval_samples']} samples (names and constants never seen), "
         f"{plan['n_heldout_templates']} held-out-template tasks x {plan['eval_templates_samples']}; temperature "

@@ -43,6 +43,11 @@ def test_demo_learn_quick_runs_every_stage(tmp_path):
                       "RL", "evaluate after RL", "SFT continued", "evaluate SFT continued"]
     assert out["stages"][0]["detail"] == {"train": 4, "heldout": 2, "heldout-templates": 2}
     assert out["stages"][3]["detail"] == {"episodes": 2}  # both demonstrations solved their tasks
+    # the policy started from the pretrained model (a few steps here), tied and soft-normed
+    assert 0.0 <= out["stages"][1]["detail"]["copy_accuracy"] <= 1.0
+    assert out["pretrain"]["spec"]["copy_steps"] == 2 and out["pretrain"]["tokens"] > 0
+    [pretrained] = (root / "models").glob("pretrained-s3-*")
+    assert json.loads((pretrained / "config.json").read_text())["tie_word_embeddings"] is True
     assert out["stages"][8]["detail"]["steps"] >= 1  # SFT went on for RL's wall time
     for row in ("before SFT", "after SFT", "after RL", "SFT continued"):
         held, templ = out["evals"][row]["heldout"], out["evals"][row]["heldout-templates"]

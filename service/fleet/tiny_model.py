@@ -75,6 +75,12 @@ class TinyModelSpec:
     experts_per_token: int = 2
     moe_intermediate_size: int = 64
     max_position_embeddings: int = 131072
+    tie_embeddings: bool = False
+    """The vocabulary projection is the embedding (as Qwen3-0.6B): a head that attends to a token
+    writes that token's own logit, so a copying circuit needs no learned token-to-token map."""
+    qk_norm_init: float = 1.0
+    """Initial weight of the query and key RMSNorms. Below 1, attention starts near uniform: a
+    copying circuit then forms in a few hundred steps (at 1, none formed in thousands)."""
 
 
 def train_tokenizer(spec: TinyModelSpec):
@@ -99,7 +105,7 @@ def _config(spec: TinyModelSpec, tok):
         vocab_size=-(-tok.get_vocab_size() // 64) * 64, hidden_size=spec.hidden_size,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_embeddings,
         bos_token_id=tok.token_to_id("<|endoftext|>"), eos_token_id=tok.token_to_id("<|im_end|>"),
         pad_token_id=tok.token_to_id("<|endoftext|>"), rms_norm_eps=1e-6,
     )  # fmt: skip
@@ -132,6 +138,11 @@ def init_tiny(out: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     config = _config(spec, tok)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if spec.qk_norm_init != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.fill_(spec.qk_norm_init)
+                layer.self_attn.k_norm.weight.fill_(spec.qk_norm_init)
     model.save_pretrained(out, safe_serialization=True)
     _portable_config(out / "config.json", spec)
     fast = PreTrainedTokenizerFast(
