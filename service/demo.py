@@ -74,11 +74,13 @@ class LearnPlan:
     eval_templates_samples: int = 4
     sft_steps: int = 300
     sft_groups_per_step: int = 8
-    sft_lr: float = 2e-3
+    sft_lr: float = 5e-4
+    """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
+    copying, accuracy on random-token repeats 0.98 before and after)."""
     rl_steps: int = 24
     rl_groups_per_step: int = 8
     rl_samples: int = 8
-    rl_lr: float = 1e-3
+    rl_lr: float = 5e-4
     rl_negative_scale: float = 0.0
     """Advantages below zero scaled by this (0: learn only from samples better than their group)."""
     rl_kl_coef: float = 0.01

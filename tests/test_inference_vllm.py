@@ -85,14 +85,30 @@ async def test_provider_error_when_no_server_answers(vllm_fleet):
             await fleet.generate(PROMPTS[0], SamplingParams(max_tokens=4))
 
 
-def greedy(url: str) -> list[tuple[list[int], list[float]]]:
+def greedy(url: str, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], list[float]]]:
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         choice = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0,
             "return_token_ids": True}).json()["choices"][0]
         out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
     return out
+
+
+async def test_a_reloaded_tied_head_serves_the_new_embedding(vllm_fleet):
+    """The checkpoint of a tied model has no head weight: vLLM's in-place reload skips the head,
+    and on CPU its prepacked GEMM kept the old embedding (the served next-token logits were the
+    old policy's while everything else was the new one's)."""
+    url, new = vllm_fleet.url("tied-a"), vllm_fleet.models["tied-v1"]
+    async with client(url) as fleet:
+        try:
+            assert await fleet.reload(str(new), version=1) == [url]
+            for prompt in PROMPTS:
+                [(ids, logprobs)] = greedy(url, [prompt])
+                expected = transformers_logprobs(new, prompt, ids)
+                assert max(abs(a - b) for a, b in zip(logprobs, expected)) < 1e-3, (prompt, logprobs, expected)
+        finally:
+            assert await fleet.reload(str(vllm_fleet.models["tied"]), version=0)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

@@ -1,7 +1,9 @@
 """One fleet of real vLLM CPU servers per test session (they take a minute or two to start).
 
 dense/moe "a" start on the initial weights; "b" start fresh on the next policy's weights, so
-a reload of "a" can be compared with a fresh start.
+a reload of "a" can be compared with a fresh start. "tied-a" serves a model whose vocabulary
+head is its embedding (as Qwen3-0.6B and the demo's policy), whose reload is checked against
+transformers.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ class Fleet:
 
 def make_models(root: Path) -> dict[str, Path]:
     models = {"dense": init_tiny(root / "dense", TinyModelSpec()),
-              "moe": init_tiny(root / "moe", TinyModelSpec(moe=True))}
+              "moe": init_tiny(root / "moe", TinyModelSpec(moe=True)),
+              "tied": init_tiny(root / "tied", TinyModelSpec(tie_embeddings=True, qk_norm_init=0.3))}
     models["dense-v1"] = perturb(models["dense"], root / "dense-v1")
     models["moe-v1"] = perturb(models["moe"], root / "moe-v1")
+    models["tied-v1"] = perturb(models["tied"], root / "tied-v1", scale=0.2)
     return models
 
 
@@ -44,7 +48,7 @@ def vllm_fleet(tmp_path_factory) -> Fleet:
     servers = {
         name: VLLMServer(models[model], free_port(), served_name="tiny", log_path=root / f"{name}.log")
         for name, model in [("dense-a", "dense"), ("dense-b", "dense-v1"),
-                            ("moe-a", "moe"), ("moe-b", "moe-v1")]
+                            ("moe-a", "moe"), ("moe-b", "moe-v1"), ("tied-a", "tied")]
     }  # fmt: skip
     for server in servers.values():
         server.start()
