@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import platform
 import shutil
@@ -382,7 +383,11 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
     base = models / f"pretrained-s{plan.seed}-{key}"
     if not (base / "pretrain.json").exists():
         with console.status("pretraining the model to copy (service.fleet.pretrain)") as status:
-            pretrain(init, base, replace(plan.pretrain, seed=plan.seed), log=lambda m: status.update(m))
+            def log(message: str) -> None:
+                status.update(message)
+                logging.getLogger(__name__).info(message)
+
+            pretrain(init, base, replace(plan.pretrain, seed=plan.seed), log=log)
     return base
 
 
