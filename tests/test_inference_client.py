@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -10,7 +11,7 @@ import pytest
 
 from service.fleet.client import FleetConfig, NotVLLM, ProviderError, SamplingParams, VLLMClient, decode_routed_experts
 from service.fleet.stub import create_stub
-from tests.servers import ThreadServer
+from tests.servers import TcpProxy, ThreadServer
 
 
 async def test_routed_experts_are_aligned_to_the_prompt_delta_and_output():
@@ -70,3 +71,67 @@ def test_a_tokenizer_load_waits_its_turn_only_as_long_as_asked_and_never_asks_a_
     with pytest.raises(OSError):
         fleet_client.load_tokenizer("some-org/some-model-that-is-not-a-folder")
     assert time.monotonic() - started < 10
+
+
+class DroppingProxy(TcpProxy):
+    """A proxy that closes the connection of the first `drops` completion requests without an
+    answer (what a server closing a pooled keep-alive connection as it is reused looks like),
+    and forwards everything else."""
+
+    def __init__(self, target_port: int, drops: int):
+        super().__init__(target_port)
+        self.drops = drops
+
+    async def _handle(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self._writers |= {writer, up_writer}
+
+        async def upstream():
+            try:
+                while data := await reader.read(65536):
+                    if data.startswith(b"POST /v1/completions") and self.drops > 0:
+                        self.drops -= 1
+                        writer.close()
+                        up_writer.close()
+                        return
+                    up_writer.write(data)
+                    await up_writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                up_writer.close()
+
+        async def downstream():
+            try:
+                while data := await up_reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(upstream(), downstream())
+
+
+async def test_a_dropped_connection_to_a_live_server_is_retried_and_keeps_it_in_the_fleet():
+    """With one server, marking it down at the first dropped connection failed every episode in
+    flight within seconds (the RL job of `swerve demo learn` ended failed so): a server that
+    answers a probe stays in, and the request is sent again."""
+    with ThreadServer(create_stub(tokens=3)) as stub:
+        proxy = DroppingProxy(stub.port, drops=2).start()
+        try:
+            async with VLLMClient(FleetConfig(endpoints=[proxy.url], max_retries=3, backoff_s=0.05)) as fleet:
+                gen = await fleet.generate([1, 2, 3], SamplingParams(max_tokens=3), session="s")
+                assert len(gen.output_ids) == 3 and proxy.drops == 0
+                assert fleet.endpoints[0].healthy  # both drops were retried on it, still in the fleet
+        finally:
+            proxy.stop()
+
+
+async def test_a_fleet_whose_servers_are_all_down_waits_for_one_within_its_retries():
+    with ThreadServer(create_stub(tokens=2)) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url], max_retries=4, backoff_s=0.05)) as fleet:
+            fleet._mark_down(fleet.endpoints[0], "as if a request had failed")
+            gen = await fleet.generate([1, 2], SamplingParams(max_tokens=2))  # probed back in
+            assert len(gen.output_ids) == 2 and fleet.endpoints[0].healthy

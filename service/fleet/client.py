@@ -235,7 +235,15 @@ class VLLMClient:
         last_error = ""
         for attempt in range(self.cfg.max_retries + 1):
             new_session = session is not None and session not in self._affinity
-            ep = self._pick(session)
+            try:
+                ep = self._pick(session)
+            except ProviderError as e:  # every server is down: one may come back within the retries
+                last_error = last_error or str(e)
+                if attempt < self.cfg.max_retries:
+                    await asyncio.gather(*(self._probe(ep) for ep in self.endpoints if not ep.healthy))
+                    await asyncio.sleep(min(30.0, delay) * (0.5 + random.random()))
+                    delay *= 2
+                continue
             if new_session:  # the version of an episode's first turn is read, not polled
                 await self._check_version(ep)
             if ep.max_model_len and len(token_ids) + sampling.max_tokens > ep.max_model_len:
@@ -249,8 +257,17 @@ class VLLMClient:
                 last_error = f"{ep.url}: HTTP {e.response.status_code}"
                 ep.failures += 1
             except httpx.TransportError as e:
+                # A dropped connection is not yet a dead server (a pooled keep-alive connection
+                # the server closed as it was reused, a restart): it is down if it does not answer
+                # a probe now, and a request of its sessions moves on.
                 last_error = f"{ep.url}: {type(e).__name__}: {e}"
-                self._mark_down(ep, last_error)  # a server we cannot reach is down: move on
+                await self._probe(ep)
+                if ep.healthy:
+                    ep.failures += 1
+                    logger.info("inference server %s dropped a request and answers a probe: retrying (%s)",
+                                ep.url, last_error)
+                    continue
+                self._mark_down(ep, last_error)
             if attempt < self.cfg.max_retries:
                 await asyncio.sleep(min(30.0, delay) * (0.5 + random.random()))
                 delay *= 2
