@@ -9,8 +9,10 @@ fixed authors and dates), and "heldout" draws names and constants no "train" tas
 
 from __future__ import annotations
 
+import builtins
 import copy
 import json
+import keyword
 import os
 import random
 import string
@@ -57,8 +59,8 @@ class Draft:
 
 @dataclass(frozen=True)
 class Family:
-    draw: Callable[[random.Random, int, str, int], list[Draft]]
-    """(rng, n, split, distractors) -> n distinct drafts."""
+    draw: Callable[..., list[Draft]]
+    """(rng, n, split, distractors, [names="generated"]) -> n distinct drafts."""
     test_cmd: str
     log_parser: str
     distractors: int = 1
@@ -302,6 +304,38 @@ HELPERS = (
 )
 
 
+GENERATED = 2
+"""The group of a train split whose names are generated (`names="generated"`): every name is a
+made-up word, so a policy trained on it cannot recall names and must copy them; held-out splits
+keep their pools, which no generated name equals."""
+_SYLLABLES = (("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "gr", "st", "tr"),
+              ("a", "e", "i", "o", "u"), ("", "", "n", "r", "l", "s", "x"))
+
+
+def _heldout_names() -> frozenset[str]:
+    pools = [PACKAGES, MODULES, WORDS, *ARGS.values(), *(t.names for t in TEMPLATES + HELDOUT_TEMPLATES),
+             *(h.names for h in HELPERS)]
+    return frozenset(name for pool in pools for name in pool[1])
+
+
+def _made_up(rng: random.Random, syllables: int = 2) -> str:
+    """A made-up lowercase word: never a keyword, a builtin or a held-out name."""
+    while True:
+        w = "".join(rng.choice(a) + rng.choice(b) + rng.choice(c) for a, b, c in [_SYLLABLES] * syllables)
+        if not keyword.iskeyword(w) and not hasattr(builtins, w) and w not in _HELDOUT_NAMES:
+            return w
+
+
+_HELDOUT_NAMES = _heldout_names()
+
+
+def _pick(rng: random.Random, pool: Pool, group: int) -> str:
+    """A name of `pool` for `group` (0 train, 1 held-out), or a made-up one (GENERATED)."""
+    if group == GENERATED:
+        return _made_up(rng, rng.choice((2, 2, 3)))
+    return rng.choice(pool[group])
+
+
 def roles(source: str) -> list[str]:
     """The argument roles a template or helper names, in a fixed order."""
     return sorted({f for _, f, _, _ in string.Formatter().parse(source) if f} - {"fn", "K"})
@@ -309,10 +343,13 @@ def roles(source: str) -> list[str]:
 
 def _fill(source: str, names: Pool, group: int, rng: random.Random, const: Any = None,
           target: bool = False) -> tuple[str, dict]:  # fmt: skip
-    subs = {role: rng.choice(ARGS[role][group]) for role in roles(source)}
-    subs |= {"fn": rng.choice(names[group]), "K": repr(const)}
+    while True:
+        subs = {role: _pick(rng, ARGS[role], group) for role in roles(source)}
+        if len(set(subs.values())) == len(subs):  # made-up names could meet; pools are disjoint
+            break
+    subs |= {"fn": _pick(rng, names, group), "K": repr(const)}
     if target and rng.random() < 0.5:  # the bug's function; distractors keep their names
-        subs["fn"] = f"{subs['fn']}_{rng.choice(WORDS[group])}"
+        subs["fn"] = f"{subs['fn']}_{_pick(rng, WORDS, group)}"
     return source.format_map(subs), subs
 
 
@@ -351,7 +388,8 @@ def _load(source: str) -> dict:
 def _module(rng: random.Random, t: Template, group: int, distractors: int):
     """(correct module, buggy module, the target's substitutions, [(helper, its substitutions)]),
     or None when the bug's line is not unique."""
-    const = rng.choice(t.consts[group]) if t.consts[group] else None
+    consts = t.consts[0 if group == GENERATED else group]
+    const = rng.choice(consts) if consts else None
     target, subs = _fill(t.source, t.names, group, rng, const, target=True)
     fixed, buggy = t.fixed.format_map(subs), t.buggy.format_map(subs)
     helpers = [(h, *_fill(h.source, h.names, group, rng)) for h in rng.sample(HELPERS, distractors)]
@@ -376,9 +414,9 @@ def _pyfix_task(rng: random.Random, t: Template, group: int, distractors: int) -
     kept = [(a, want) for a, want, got in outcomes if want == got]
     if not failing or not kept:
         return None
-    pkg = (rng.choice(PACKAGES[group]) if rng.random() < 0.25
-           else f"{rng.choice(WORDS[group])}{rng.choice(SUFFIXES)}")
-    module = rng.choice(MODULES[group])
+    pkg = (_pick(rng, PACKAGES, group) if rng.random() < 0.25
+           else f"{_pick(rng, WORDS, group)}{rng.choice(SUFFIXES)}")
+    module = _pick(rng, MODULES, group)
     path = f"{pkg}/{module}.py"
     args, want, got = failing[0]
     problem = rng.choice(PHRASINGS).format(call=_call(fn, args), fn=fn, path=path, want=_verb(want, "return", "raise"),
@@ -403,8 +441,8 @@ def _verb(outcome: tuple[str, str], returns: str, raises: str) -> str:
     return f"{returns if kind == 'return' else raises} {text}"
 
 
-def draw_pyfix(rng: random.Random, n: int, split: str, distractors: int) -> list[Draft]:
-    group = 0 if split == "train" else 1
+def draw_pyfix(rng: random.Random, n: int, split: str, distractors: int, names: str = "pools") -> list[Draft]:
+    group = (GENERATED if names == "generated" else 0) if split == "train" else 1
     templates = HELDOUT_TEMPLATES if split == "heldout-templates" else TEMPLATES
     drafts, seen, order = [], set(), []
     while len(drafts) < n:
@@ -488,14 +526,20 @@ def build_task(draft: Draft, name: str, family: Family, tmp: Path, bundles_dir: 
 
 
 def generate(family: str, n: int, seed: int, split: str, out: Path, *, bundles_dir: Path | None = None,
-             distractors: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+             distractors: int | None = None, progress: Callable[[int, int], None] | None = None,
+             names: str = "pools") -> list[dict]:
     """Write `out` (JSONL) and one bundle per task into `bundles_dir` (default: out's folder's
-    `bundles`); return the rows. `progress(done, n)` is called after each task. Raises
-    ValueError for bad arguments, GenerationError for a bad task."""
+    `bundles`); return the rows. `progress(done, n)` is called after each task. names: "pools"
+    (the split's name pools) or "generated" (train only: every name made up, see GENERATED).
+    Raises ValueError for bad arguments, GenerationError for a bad task."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    if names not in ("pools", "generated"):
+        raise ValueError(f"names must be pools or generated, got {names!r}")
+    if names == "generated" and split != "train":
+        raise ValueError(f"names=generated is for the train split (held-out splits keep their pools), got {split!r}")
     fam = FAMILIES[family]
     distractors = fam.distractors if distractors is None else distractors
     if not 0 <= distractors <= fam.max_distractors:
@@ -504,11 +548,14 @@ def generate(family: str, n: int, seed: int, split: str, out: Path, *, bundles_d
         raise ValueError(f"n must be at least 1, got {n}")
     bundles_dir = bundles_dir or out.parent / "bundles"
     bundles_dir.mkdir(parents=True, exist_ok=True)
-    drafts = fam.draw(random.Random(f"{family}:{split}:{seed}:{distractors}"), n, split, distractors)
+    made_up = names == "generated"
+    drafts = fam.draw(random.Random(f"{family}:{split}:{seed}:{distractors}" + (":generated" if made_up else "")),
+                      n, split, distractors, **({"names": names} if made_up else {}))
+    label = f"{split}-gen" if made_up else split
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, d in enumerate(drafts):
-            rows.append(build_task(d, f"{family}-{split}-{seed}-d{distractors}-{i}", fam, Path(tmp), bundles_dir))
+            rows.append(build_task(d, f"{family}-{label}-{seed}-d{distractors}-{i}", fam, Path(tmp), bundles_dir))
             if progress is not None:
                 progress(i + 1, n)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -569,6 +569,8 @@ def suite_generate(
                                                      "(default: $SWERVE_DATA_DIR/bundles, where workers look).")] = None,
     distractors: Annotated[int | None, typer.Option(min=0, help="Other functions beside the buggy one "
                                                     "(difficulty; default: the family's).")] = None,
+    names: Annotated[str, typer.Option(help="pools: the split's name pools; generated (train only): every "
+                                            "name made up, so a policy must copy names, not recall them.")] = "pools",
 ) -> None:
     """Generate a suite of small SWE tasks, one git bundle per task, tests measured on this host."""
     from envs.families import GenerationError, generate
@@ -577,7 +579,7 @@ def suite_generate(
     try:
         with _progress(f"generating {family} tasks", total=n) as advance:
             rows = generate(family, n, seed, split, out, bundles_dir=bundles, distractors=distractors,
-                            progress=lambda done, _: advance(done))
+                            progress=lambda done, _: advance(done), names=names)
     except ValueError as e:
         typer.secho(str(e), fg="red", err=True)
         raise typer.Exit(2) from e

@@ -122,6 +122,27 @@ def test_heldout_modules_use_no_train_name(tmp_path, suites):
     assert train and heldout and not train & heldout
 
 
+def test_generated_train_names_are_made_up_and_never_held_out(tmp_path, suites):
+    """names="generated": every name of a train task is made up (a policy cannot recall it, it must
+    copy it), never a held-out name, and the same arguments give the same bytes."""
+    path = tmp_path / "gen" / "train.jsonl"
+    rows = generate("pyfix", N, 3, "train", path, names="generated")
+    assert generate("pyfix", N, 3, "train", tmp_path / "again" / "train.jsonl", names="generated") == rows
+    assert all("-train-gen-3-" in r["instance_id"] for r in rows)
+    made_up = {name for row in rows for name in names_in(path, row, tmp_path / "m")}
+    heldout = {name for row in suites["heldout"][1] for name in names_in(suites["heldout"][0], row, tmp_path / "h")}
+    pools = {name for pool in [families.PACKAGES, families.MODULES, families.WORDS, *families.ARGS.values(),
+                               *(t.names for t in ALL_TEMPLATES), *(h.names for h in families.HELPERS)]
+             for name in pool[0] + pool[1]}
+    assert made_up and not made_up & heldout and not made_up & pools
+    for name in made_up:
+        assert name.isidentifier() and not keyword.iskeyword(name) and not hasattr(builtins, name), name
+    paths = [module_path(r) for r in rows]
+    assert len(set(paths)) == len(paths) and not any(p.split("/")[0] in pools for p in paths)
+    with pytest.raises(ValueError, match="names=generated is for the train split"):
+        generate("pyfix", 1, 3, "heldout", tmp_path / "x.jsonl", names="generated")
+
+
 def test_heldout_templates_are_templates_train_never_uses(suites):
     shared, new = {t.name for t in families.TEMPLATES}, {t.name for t in families.HELDOUT_TEMPLATES}
     assert len(shared) >= 12 and len(new) >= 4 and not shared & new
