@@ -57,6 +57,9 @@ class LearnPlan:
     n_heldout: int = 64
     n_heldout_templates: int = 32
     distractors: int = 1
+    train_names: str = "pools"
+    """"pools": train tasks draw names from the family's train pools (a few hundred names, each
+    seen many times); "generated": every train name made up (envs.families.GENERATED)."""
     demos: int = 512
     """Demonstrated train tasks: the only supervision the policy ever gets. Probes with 48 and
     128 demonstrations (a 2-layer model) learned the format but copied no name it had not seen."""
@@ -236,7 +239,9 @@ def rl_config(plan: LearnPlan, name: str, train: Path, heldout: Path, heldout_id
 async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 8030, vllm_port: int = 8130,
                 results: Path | None = None, screenshot: bool = True) -> dict:  # fmt: skip
     """The whole demo in settings.data_dir; returns (and writes there as results.json) its figures.
-    What is measured is written after each evaluation, so a demo cut short keeps its rows."""
+    What is measured is written after each stage, so a demo cut short keeps its rows, and the
+    same command resumes it: a stage results.json records as done (with the same plan) is not
+    run again, and an RL job that ended failed is followed by a new one (its run stays)."""
     from envs.families import generate
     from service import rl
     from service.embedded import start_vllm
@@ -251,8 +256,15 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         db.upgrade(s.resolved_database_url)
     stages: list[Stage] = []
     began = time.monotonic()
-    out = {"plan": asdict(plan), "parameters": None, "pretrain": None, "evals": {}, "stages": [], "wall_s": 0.0, "rl_run_id": None,
-           "screenshot": None, "machine": machine(), "complete": False}
+    out = {"plan": asdict(plan), "parameters": None, "pretrain": None, "evals": {}, "stages": [], "wall_s": 0.0,
+           "rl_run_id": None, "rl_job": None, "screenshot": None, "machine": machine(), "complete": False}
+    before = _resumable(root / "results.json", plan)
+    if before is not None:
+        out |= {k: before[k] for k in ("evals", "rl_run_id", "rl_job") if before.get(k) is not None}
+        stages[:] = [Stage(**st) for st in before["stages"]]
+        began -= before["wall_s"]
+        console.print(f"resuming the demo in {root}: done {', '.join(st.name for st in stages)}")
+    done = {st.name for st in stages}
 
     def save() -> None:
         out.update(stages=[asdict(s) for s in stages], wall_s=time.monotonic() - began)
@@ -261,6 +273,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
             write_results(results, out, command(plan))
 
     def stage(name: str, started: float, **detail) -> None:
+        stages[:] = [st for st in stages if st.name != name]
         stages.append(Stage(name, time.monotonic() - started, detail))
         console.print(f"[bold]{name}[/bold]: {stages[-1].wall_s:.0f} s {detail or ''}")
 
@@ -272,9 +285,13 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     sizes = {"train": plan.n_train, "heldout": plan.n_heldout, "heldout-templates": plan.n_heldout_templates}
     rows = {}
     for split, path in paths.items():
+        if "generate" in done and path.exists():
+            rows[split] = [json.loads(line) for line in path.read_text().splitlines()]
+            continue
         rows[split] = generate(FAMILY, sizes[split], plan.seed, split, path, bundles_dir=bundles,
-                               distractors=plan.distractors)
-    stage("generate", t, **{k: len(v) for k, v in rows.items()})
+                               distractors=plan.distractors, names=plan.train_names if split == "train" else "pools")
+    if "generate" not in done:
+        stage("generate", t, **{k: len(v) for k, v in rows.items()})
     train_ids = [r["instance_id"] for r in rows["train"]]
     heldout_ids = [r["instance_id"] for r in rows["heldout"]]
 
@@ -284,8 +301,9 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     out["parameters"] = _parameters(base)
     pre = json.loads((base / "pretrain.json").read_text()) if (base / "pretrain.json").exists() else None
     out["pretrain"] = pre and {k: v for k, v in pre.items() if k != "history"}
-    stage("model", t, parameters=out["parameters"],
-          **({"copy_accuracy": round(pre["copy_accuracy"], 3), "pretrain_s": pre["wall_s"]} if pre else {}))
+    if "model" not in done:
+        stage("model", t, parameters=out["parameters"],
+              **({"copy_accuracy": round(pre["copy_accuracy"], 3), "pretrain_s": pre["wall_s"]} if pre else {}))
 
     vllm = start_vllm(settings, base, vllm_port, console, max_model_len=plan.max_model_len, die_with_parent=True)
     try:
@@ -293,6 +311,8 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         evals: dict[str, dict] = out["evals"]
 
         async def evaluate(row: str, weights: Path, version: int) -> None:
+            if row in evals:
+                return
             t = time.monotonic()
             await serve_weights(endpoint, weights, version)
             sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
@@ -310,12 +330,15 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
 
         # 4. demonstrations, recorded through the loop into the SFT trainer's database
         t = time.monotonic()
-        demo_run, demo = await one_pass(sft_settings, paths["train"], f"demo-learn s{plan.seed}: demonstrations",
-                                        {"type": "demo", "tokenizer": str(base)}, 1, plan, port, console,
-                                        instance_ids=train_ids[:plan.demos])
-        if demo["pass_at_1"] != 1.0:
-            raise DemoError(f"demonstrations: only {demo['pass_at_1']:.2f} of them solve their task (run {demo_run})")
-        stage("demonstrations", t, episodes=demo["final"])
+        demos_name = f"demo-learn s{plan.seed}: demonstrations"
+        demo_run = await _finished_run(sft_settings, demos_name) if "demonstrations" in done else None
+        if demo_run is None:
+            demo_run, demo = await one_pass(sft_settings, paths["train"], demos_name,
+                                            {"type": "demo", "tokenizer": str(base)}, 1, plan, port, console,
+                                            instance_ids=train_ids[:plan.demos])
+            if demo["pass_at_1"] != 1.0:
+                raise DemoError(f"demonstrations: only {demo['pass_at_1']:.2f} of them solve their task (run {demo_run})")
+            stage("demonstrations", t, episodes=demo["final"])
 
         # 5. SFT on them
         t = time.monotonic()
@@ -323,37 +346,42 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
                    "until_step": plan.sft_steps, "groups_per_step": plan.sft_groups_per_step, "sft": True,
                    "dataset": {"run_id": str(demo_run)}, "checkpoint_every": plan.sft_steps, "seed": plan.seed,
                    "optim": {"lr": plan.sft_lr}, "data": {"seq_len": plan.seq_len}}
-        sft_wall = await asyncio.to_thread(_trainer, sft_cfg, sft_settings.resolved_database_url,
-                                           root / "sft.trainer.log")
         sft_dir = root / "sft" / "sft"
-        sft_model = model_folder(base, sft_dir / "weights" / f"v{_last_version(sft_dir)}", root / "models" / "sft")
-        stage("SFT", t, steps=plan.sft_steps, trainer_s=round(sft_wall, 1))
+        if "SFT" not in done or not (sft_dir / "weights" / f"v{plan.sft_steps}").is_dir():
+            sft_wall = await asyncio.to_thread(_trainer, sft_cfg, sft_settings.resolved_database_url,
+                                               root / "sft.trainer.log")
+            stage("SFT", t, steps=plan.sft_steps, trainer_s=round(sft_wall, 1))
+        sft_model = model_folder(base, sft_dir / "weights" / f"v{plan.sft_steps}", root / "models" / "sft")
         await evaluate("after SFT", sft_model, 0)
 
         # 6. RL from the SFT weights, through the RL job
         t = time.monotonic()
-        await serve_weights(endpoint, sft_model, 0)  # the job's version 0
-        job = f"demo-learn-s{plan.seed}"
-        cfg = rl.RLConfig.model_validate(rl_config(plan, job, paths["train"], paths["heldout"], heldout_ids,
-                                                   sft_model, endpoint, port))
-        rl.check(cfg)
-        status = await rl.run_job(main, cfg, console)
-        if status != "finished":
-            raise DemoError(f"the RL job ended {status}; its logs are in {root / 'rl'}")
-        rl_wall = time.monotonic() - t
-        out["rl_run_id"] = str(await _training_run(main, job))
+        job = await _rl_job(main, f"demo-learn-s{plan.seed}")
+        if "RL" not in done or out["rl_job"] != job:
+            await serve_weights(endpoint, sft_model, 0)  # the job's version 0
+            cfg = rl.RLConfig.model_validate(rl_config(plan, job, paths["train"], paths["heldout"], heldout_ids,
+                                                       sft_model, endpoint, port))
+            rl.check(cfg)
+            status = await rl.run_job(main, cfg, console)
+            if status != "finished":
+                raise DemoError(f"the RL job ended {status}; its logs are in {root / 'rl'} (run the demo "
+                                "again to resume: a new job starts from the SFT weights)")
+            out["rl_run_id"], out["rl_job"] = str(await _training_run(main, job)), job
+            stage("RL", t, steps=plan.rl_steps, job=job)
+        rl_wall = next(st.wall_s for st in stages if st.name == "RL")
         rl_dir = root / "rl" / job
         rl_model = model_folder(base, rl_dir / "weights" / f"v{_last_version(rl_dir)}", root / "models" / "rl")
-        stage("RL", t, steps=plan.rl_steps)
         await evaluate("after RL", rl_model, 0)
 
         # 7. SFT continued for RL's wall time, from the SFT checkpoint, on the same demonstrations
         t = time.monotonic()
-        more = sft_cfg | {"until_step": None, "time_limit_s": rl_wall, "checkpoint_every": 10**6}
-        await asyncio.to_thread(_trainer, more, sft_settings.resolved_database_url, root / "sft-continued.trainer.log")
+        if "SFT continued" not in done:
+            more = sft_cfg | {"until_step": None, "time_limit_s": rl_wall, "checkpoint_every": 10**6}
+            await asyncio.to_thread(_trainer, more, sft_settings.resolved_database_url,
+                                    root / "sft-continued.trainer.log")
+            stage("SFT continued", t, steps=_last_version(sft_dir) - plan.sft_steps)
         cont_model = model_folder(base, sft_dir / "weights" / f"v{_last_version(sft_dir)}",
                                   root / "models" / "sft-continued")
-        stage("SFT continued", t, steps=_last_version(sft_dir) - plan.sft_steps)
         await evaluate("SFT continued", cont_model, 0)
     finally:
         vllm.stop()
@@ -389,6 +417,54 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
 
             pretrain(init, base, replace(plan.pretrain, seed=plan.seed), log=log)
     return base
+
+
+def _resumable(path: Path, plan: LearnPlan) -> dict | None:
+    """The figures a previous run of the same plan saved in `path` (fields added to the plan since
+    are compared at their defaults), or None."""
+    if not path.exists():
+        return None
+    before = json.loads(path.read_text())
+    now = json.loads(json.dumps(asdict(plan)))
+    defaults = json.loads(json.dumps(asdict(LearnPlan(seed=plan.seed))))
+    saved = {k: before["plan"].get(k, defaults[k]) for k in now}
+    return before if saved == now and not before.get("complete") else None
+
+
+async def _finished_run(settings: Settings, name: str) -> uuid.UUID | None:
+    from service.store.db import make_async_engine
+    from service.store.tables import Run
+
+    engine = make_async_engine(settings.resolved_database_url)
+    try:
+        async with engine.connect() as conn:
+            return await conn.scalar(sa.select(Run.id).where(Run.name == name, Run.status == "finished")
+                                     .order_by(Run.created_at.desc()).limit(1))
+    finally:
+        await engine.dispose()
+
+
+async def _rl_job(settings: Settings, name: str) -> str:
+    """The RL job's name: `name`, or `name-2`, `name-3`... after jobs that ended other than finished."""
+    from service import rl
+    from service.store.db import make_async_engine
+
+    engine = make_async_engine(settings.resolved_database_url)
+    try:
+        for k in range(1, 100):
+            job = name if k == 1 else f"{name}-{k}"
+            run = await rl.find_job(engine, job)
+            if run is None or run.status == "finished" or run.status in _active():
+                return job
+    finally:
+        await engine.dispose()
+    raise DemoError(f"RL jobs {name} to {name}-99 all ended unfinished")
+
+
+def _active() -> frozenset[str]:
+    from service.store.status import RUN_ACTIVE
+
+    return frozenset(RUN_ACTIVE)
 
 
 def _parameters(model: Path) -> int:

@@ -20,3 +20,24 @@ def test_met_only_when_every_part_holds():
     broken_format = good | {"after RL": ev(0.36, 0.32, 0.40, fmt=0.2)}
     assert "NOT met" in target_verdict(broken_format)
     assert target_verdict({"after SFT": good["after SFT"]}).startswith("Target: not checked yet")
+
+
+def test_a_demo_resumes_only_the_same_unfinished_plan(tmp_path):
+    """results.json of an unfinished demo with the same plan is taken up (a plan field added since
+    counts at its default); another plan, or a finished demo, starts afresh."""
+    import json
+    from dataclasses import asdict, replace
+
+    from service.demo import LearnPlan, _resumable
+
+    path = tmp_path / "results.json"
+    assert _resumable(path, LearnPlan()) is None
+    saved = {"plan": asdict(LearnPlan()), "evals": {"before SFT": {}}, "stages": [], "wall_s": 5.0,
+             "complete": False}
+    del saved["plan"]["train_names"]  # written before the field existed
+    path.write_text(json.dumps(saved))
+    assert _resumable(path, LearnPlan())["evals"] == {"before SFT": {}}
+    assert _resumable(path, replace(LearnPlan(), train_names="generated")) is None
+    assert _resumable(path, replace(LearnPlan(), sft_lr=1e-3)) is None
+    path.write_text(json.dumps(saved | {"complete": True}))
+    assert _resumable(path, LearnPlan()) is None
