@@ -1,23 +1,18 @@
-"""Can the demo's small Qwen3 learn to copy? Issue 17's held-out tasks need the policy to copy
-names it never saw in training (the path in the issue, the buggy line in the viewed file); SFT
-on a few hundred demonstrations taught the call format but no copying. This probe pretrains the
-model made here (TinyModelSpec, as `swerve demo learn` makes it) as a language model on a mix of
-the repository's text and synthetic copy sequences (a random span, random tokens, the span
-again: an induction-head task), and reports every `--every` steps the accuracy of predicting a
-repeated 8-token span at a position the training never fixes. A model that can copy scores near
-1; one that cannot, near 0.
+"""What makes the demo's small Qwen3 learn to copy: service.fleet.pretrain's first phase
+(random-token repeats only) on the model as `swerve demo learn` makes it, and on the same model
+with one of its three choices undone, side by side in one run. Each variant reports its accuracy
+of predicting the repeats of a random span (1.0 copies, 0.0 does not) every 50 steps, and the
+first step at which it reached 0.5 (a copying circuit, an induction head, has formed).
 
-    .venv/bin/python bench/copy_probe.py [--steps 3000] [--seq-len 256] [--batch 16] [--lr 1e-3] [--layers 4]
+    .venv/bin/python bench/copy_probe.py [--steps 400] [--layers 4] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import sys
 import tempfile
-import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,74 +20,34 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from service.fleet.tiny_model import CORPUS, TinyModelSpec, init_tiny
+    from service.fleet.pretrain import PretrainSpec, pretrain
+    from service.fleet.tiny_model import TinyModelSpec, init_tiny
 
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--corpus-frac", type=float, default=0.1)
-    p.add_argument("--every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    shipped = TinyModelSpec(layers=a.layers, seed=a.seed, tie_embeddings=True, qk_norm_init=0.3)
+    phase = PretrainSpec(copy_steps=a.steps, mixed_steps=0, seed=a.seed)
+    variants = {
+        "shipped: tied, q/k norms at 0.3 and 10x lr": (shipped, phase),
+        "q/k norms at 1.0 (Qwen3's init)": (replace(shipped, qk_norm_init=1.0), phase),
+        "q/k norms at the model's lr": (shipped, replace(phase, norm_lr_mult=1.0)),
+        "untied embeddings": (replace(shipped, tie_embeddings=False), phase),
+    }
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = init_tiny(Path(tmp) / "m", TinyModelSpec(layers=a.layers))
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    corpus = tok(CORPUS.read_text())["input_ids"]
-    vocab = list(range(3, len(tok)))
-    rng, L = random.Random(0), a.seq_len
-
-    def copy_row() -> tuple[list[int], list[int]]:
-        span = rng.randint(6, min(40, L // 2 - 2))
-        pre = [rng.choice(vocab) for _ in range(rng.randint(0, L - 2 * span))]
-        body = [rng.choice(vocab) for _ in range(span)]
-        gap = [rng.choice(vocab) for _ in range(L - 2 * span - len(pre))]
-        return pre + body + gap + body, [0] * (len(pre) + span + len(gap) + 1) + [1] * (span - 1)
-
-    def corpus_row() -> tuple[list[int], list[int]]:
-        s = rng.randrange(0, len(corpus) - L)
-        return corpus[s:s + L], [1] * L
-
-    @torch.no_grad()
-    def copy_accuracy() -> float:
-        g = random.Random(123)
-        rows = []
-        for _ in range(32):
-            r, span = [g.choice(vocab) for _ in range(L)], [g.choice(vocab) for _ in range(8)]
-            r[20:28], r[L - 20:L - 12] = span, span
-            rows.append(r)
-        x = torch.tensor(rows)
-        pred = model(input_ids=x).logits.argmax(-1)
-        return (pred[:, L - 20:L - 13] == x[:, L - 19:L - 12]).float().mean().item()
-
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    started = time.perf_counter()
-    print(f"params {sum(q.numel() for q in model.parameters())}, corpus {len(corpus)} tokens")
-    for step in range(a.steps + 1):
-        if step % a.every == 0:
-            print(f"step {step}: copy accuracy {copy_accuracy():.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
-        if step == a.steps:
-            break
-        batch = [corpus_row() if rng.random() < a.corpus_frac else copy_row() for _ in range(a.batch)]
-        ids, mask = torch.tensor([b[0] for b in batch]), torch.tensor([b[1] for b in batch], dtype=torch.float32)
-        lr = a.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.steps)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        logits = model(input_ids=ids).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                 reduction="none").view(ids.shape[0], -1)
-        loss = (loss * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        for i, (name, (spec, pre)) in enumerate(variants.items()):
+            base = init_tiny(Path(tmp) / f"init{i}", spec)
+            figures = pretrain(base, Path(tmp) / f"pre{i}", pre, log=lambda m, name=name: print(f"{name}: {m}", flush=True))
+            formed = next((h["step"] for h in figures["history"] if h["copy_accuracy"] >= 0.5), None)
+            rows.append((name, formed, figures["copy_accuracy"], figures["copy_accuracy_1024"], figures["wall_s"]))
+    print(f"\n{a.steps} steps of 32 x 128 random-token repeats, lr {phase.lr}, {a.layers} layers, seed {a.seed}\n")
+    print("| variant | first step with copy accuracy >= 0.5 | accuracy at 256 tokens | at 1024 | wall |")
+    print("|---|---|---|---|---|")
+    for name, formed, acc, acc_long, wall in rows:
+        print(f"| {name} | {'never' if formed is None else formed} | {acc:.3f} | {acc_long:.3f} | {wall:.0f} s |")
 
 
 if __name__ == "__main__":

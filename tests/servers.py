@@ -60,9 +60,12 @@ class TcpProxy:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
         self._writers |= {writer, up_writer}
 
-        async def pipe(src, dst):
+        async def pipe(src, dst, upstream: bool):
             try:
                 while data := await src.read(65536):
+                    if upstream and self.drop(data):  # the connection closes without an answer
+                        writer.close()
+                        break
                     dst.write(data)
                     await dst.drain()
             except (ConnectionError, asyncio.CancelledError):
@@ -70,7 +73,11 @@ class TcpProxy:
             finally:
                 dst.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    def drop(self, request: bytes) -> bool:
+        """Whether to close the connection instead of forwarding this chunk of a request."""
+        return False
 
     def stop(self) -> None:
         async def _stop():

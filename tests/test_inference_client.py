@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 
@@ -82,36 +81,11 @@ class DroppingProxy(TcpProxy):
         super().__init__(target_port)
         self.drops = drops
 
-    async def _handle(self, reader, writer) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        self._writers |= {writer, up_writer}
-
-        async def upstream():
-            try:
-                while data := await reader.read(65536):
-                    if data.startswith(b"POST /v1/completions") and self.drops > 0:
-                        self.drops -= 1
-                        writer.close()
-                        up_writer.close()
-                        return
-                    up_writer.write(data)
-                    await up_writer.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                up_writer.close()
-
-        async def downstream():
-            try:
-                while data := await up_reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                writer.close()
-
-        await asyncio.gather(upstream(), downstream())
+    def drop(self, request: bytes) -> bool:
+        if request.startswith(b"POST /v1/completions") and self.drops > 0:
+            self.drops -= 1
+            return True
+        return False
 
 
 async def test_a_dropped_connection_to_a_live_server_is_retried_and_keeps_it_in_the_fleet():
