@@ -448,23 +448,18 @@ async def _rl_job(settings: Settings, name: str) -> str:
     """The RL job's name: `name`, or `name-2`, `name-3`... after jobs that ended other than finished."""
     from service import rl
     from service.store.db import make_async_engine
+    from service.store.status import RUN_ACTIVE
 
     engine = make_async_engine(settings.resolved_database_url)
     try:
         for k in range(1, 100):
             job = name if k == 1 else f"{name}-{k}"
             run = await rl.find_job(engine, job)
-            if run is None or run.status == "finished" or run.status in _active():
+            if run is None or run.status == "finished" or run.status in RUN_ACTIVE:
                 return job
     finally:
         await engine.dispose()
     raise DemoError(f"RL jobs {name} to {name}-99 all ended unfinished")
-
-
-def _active() -> frozenset[str]:
-    from service.store.status import RUN_ACTIVE
-
-    return frozenset(RUN_ACTIVE)
 
 
 def _parameters(model: Path) -> int:

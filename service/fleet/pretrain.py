@@ -43,9 +43,9 @@ _VERBS = ("get", "set", "make", "load", "parse", "read", "count", "find", "merge
           "build", "apply", "pick", "sum", "fold", "clip", "pad", "trim", "join", "rank", "sort", "fill")
 _OPS = ("+", "-", "*", "//", "%")
 _CMPS = ("<", "<=", ">", ">=", "==", "!=")
-_FUNCS = ("min", "max", "abs", "len", "sum", "sorted", "round", "int", "str")
-_KEYS = ({"path": ("path", "file", "filename", "target")}, {"old": ("old", "old_str", "before", "find", "search")},
-         {"new": ("new", "new_str", "after", "replace", "replacement")})
+_KEYS = (("path", "file", "filename", "target"), ("old", "old_str", "before", "find", "search"),
+         ("new", "new_str", "after", "replace", "replacement"))
+"""Spellings of an edit record's three fields: the file, the line as it is, the line as it becomes."""
 _PROSE = (
     "The function `{fn}` in `{path}` is called as `{call}`.",
     "See `{path}`: `{fn}` is defined there.",
@@ -156,7 +156,7 @@ def _edit(r: random.Random, path: str, lines: list[str]) -> str | None:
     else:
         return None
     if r.random() < 0.6:
-        keys = [r.choice(k[next(iter(k))]) for k in _KEYS]
+        keys = [r.choice(spellings) for spellings in _KEYS]
         record = {keys[0]: path, keys[1]: lines[i], keys[2]: new}
         if r.random() < 0.3:
             record = {"name": r.choice(("edit", "replace", "patch")), "arguments": record}
