@@ -45,8 +45,10 @@ async def test_unknown_model_makes_the_server_unhealthy():
     with ThreadServer(create_stub(model="other")) as stub:
         with pytest.raises(NotVLLM, match=r"serves \['other'\], not tiny"):  # answers: waiting will not help
             await VLLMClient(FleetConfig(endpoints=[stub.url], model="tiny")).start()
+        client = VLLMClient(FleetConfig(endpoints=[stub.url, "http://127.0.0.1:9"], model="tiny"))
         with pytest.raises(ProviderError, match="no healthy inference server: .*probe failed"):  # one is down
-            await VLLMClient(FleetConfig(endpoints=[stub.url, "http://127.0.0.1:9"], model="tiny")).start()
+            await client.start()
+        assert client._http.is_closed  # a start that fails leaves no connections behind (a poller retries it)
 
 
 def test_fleet_config_refuses_an_empty_fleet():

@@ -46,6 +46,12 @@ def service(tmp_path_factory, vllm_fleet):
     settings = make_settings(url, broker_url="memory://", embedded_worker=True, data_dir=tmp)
     from service.app import create_app
 
+    # written before the service starts, and held (ui_data.hold): its scanner adopts active runs
+    # nobody owns, and its worker would run the episodes these write turn by turn
+    hostile_id, hostile_episodes = asyncio.run(_hostile(db.make_async_engine(url)))
+    _, long_episodes = asyncio.run(_hostile(db.make_async_engine(url), n_turns=55))  # more than a page
+    training, training_group, _ = asyncio.run(_training(db.make_async_engine(url)))
+
     with ThreadServer(create_app(settings)) as server:
         with httpx.Client(base_url=server.url, headers=auth(), timeout=60) as client:
             body = "\n".join(SUITE.read_text().splitlines()[:2]) + "\n"
@@ -61,10 +67,6 @@ def service(tmp_path_factory, vllm_fleet):
                 "agent": {"max_turns": 3, "sampling": {"max_tokens": 32}}}).json()
             assert wait_run(client, oracle["id"])["status"] == "finished"
             assert wait_run(client, model["id"])["status"] == "finished"
-            engine = db.make_async_engine(url)
-            hostile_id, hostile_episodes = asyncio.run(_hostile(engine))
-            _, long_episodes = asyncio.run(_hostile(db.make_async_engine(url), n_turns=55))  # more than a page
-            training, training_group, _ = asyncio.run(_training(db.make_async_engine(url)))
             yield {"url": server.url, "client": client, "oracle": oracle["id"], "model": model["id"],
                    "long_hostile": str(long_episodes[0]),
                    "hostile": str(hostile_id), "hostile_episodes": [str(e) for e in hostile_episodes],

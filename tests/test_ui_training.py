@@ -17,7 +17,7 @@ from service.store.tables import Episode, Group, Policy, Run, utcnow
 from tests.conftest import auth, client_for, make_settings
 from tests.test_orchestrator import make_suite
 from tests.test_training_runs import training_run
-from tests.ui_data import XSS
+from tests.ui_data import XSS, hold
 
 
 async def finish(engine, group_id, rewards, tool_call=True) -> None:
@@ -56,6 +56,8 @@ async def build_training(engine) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID]:
                                      .order_by(Group.seq))).scalars().all()
         eval_run = await conn.scalar(sa.select(Run.id).where(Run.kind == "eval"))
         eval_groups = (await conn.execute(sa.select(Group.id).where(Group.run_id == eval_run))).scalars().all()
+    for run in (run_id, eval_run):  # stepped here by hand (as owner "o"), not by a service's orchestrator
+        await hold(engine, run)
     await finish(engine, groups[0], [1.0, 0.0])
     await finish(engine, eval_groups[0], [1.0, 1.0])
     await finish(engine, eval_groups[1], [0.0, 0.0], tool_call=False)

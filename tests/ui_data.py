@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 
 import sqlalchemy as sa
 
@@ -10,10 +11,18 @@ from service.store.records import TurnRecord
 from service.store.buffer import Buffer
 from service.control.runs import create_run
 from service.worker.config import RunConfig
-from service.store.tables import Episode, Suite, Task, utcnow
+from service.store.tables import Episode, Run, Suite, Task, utcnow
 
 XSS = ('<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
        '<a id="evil" href="javascript:window.__xss = 3">click me</a><svg onload="window.__xss = 4"></svg>')
+
+
+async def hold(engine, run_id: uuid.UUID) -> None:
+    """Take the run's lease for a day, as a live orchestrator elsewhere would: a service's
+    scanner adopts active runs that nobody owns, and would run the episodes a test writes."""
+    async with engine.begin() as conn:
+        await conn.execute(sa.update(Run).where(Run.id == run_id).values(
+            owner="tests-writing-it", owner_heartbeat_at=utcnow() + timedelta(days=1)))
 
 
 async def hostile_run(engine, n_turns: int = 3) -> tuple[uuid.UUID, list[uuid.UUID]]:
@@ -31,6 +40,7 @@ async def hostile_run(engine, n_turns: int = 3) -> tuple[uuid.UUID, list[uuid.UU
     cfg = RunConfig.model_validate({"suite_id": suite_id, "name": f"run {XSS}", "samples_per_task": 2,
                                     "sampler": {"type": "oracle", "tokenizer": "/nonexistent"}})
     run_id = await create_run(engine, cfg)
+    await hold(engine, run_id)  # written here turn by turn, not run by a service's worker
     buffer = Buffer(engine)
     async with engine.connect() as conn:
         episodes = (await conn.execute(sa.select(Episode.id).where(Episode.run_id == run_id)
@@ -50,7 +60,5 @@ async def hostile_run(engine, n_turns: int = 3) -> tuple[uuid.UUID, list[uuid.UU
                     "fail_to_pass": {"success": [f"t::{XSS}"] if n % 2 else [], "failure": [] if n % 2 else [f"t::{XSS}"]},
                     "pass_to_pass": {"success": [], "failure": []}, "log_tail": XSS})
     async with engine.begin() as conn:
-        from service.store.tables import Run
-
         await conn.execute(sa.update(Run).where(Run.id == run_id).values(status="finished", finished_at=utcnow()))
     return run_id, list(episodes)

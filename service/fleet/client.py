@@ -145,6 +145,7 @@ class VLLMClient:
     async def start(self) -> VLLMClient:
         await asyncio.gather(*(self._probe(ep) for ep in self.endpoints))
         if not any(ep.healthy for ep in self.endpoints):
+            await self._http.aclose()  # the caller gets no client to close
             why = "; ".join(f"{e.url}: {e.wrong or e.error}" for e in self.endpoints)
             if all(ep.wrong for ep in self.endpoints):
                 raise NotVLLM(f"no endpoint answers as a vLLM server of model {self.cfg.model or '(any)'}: {why}")
