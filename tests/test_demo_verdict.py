@@ -34,10 +34,13 @@ def test_a_demo_resumes_only_the_same_unfinished_plan(tmp_path):
     assert _resumable(path, LearnPlan()) is None
     saved = {"plan": asdict(LearnPlan()), "evals": {"before SFT": {}}, "stages": [], "wall_s": 5.0,
              "complete": False}
-    del saved["plan"]["train_names"]  # written before the field existed
     path.write_text(json.dumps(saved))
     assert _resumable(path, LearnPlan())["evals"] == {"before SFT": {}}
-    assert _resumable(path, replace(LearnPlan(), train_names="generated")) is None
-    assert _resumable(path, replace(LearnPlan(), sft_lr=1e-3)) is None
+    del saved["plan"]["train_names"]  # written before the field existed, when every train name came from the pools
+    path.write_text(json.dumps(saved))
+    pools = replace(LearnPlan(), train_names="pools")
+    assert _resumable(path, pools)["evals"] == {"before SFT": {}}
+    assert _resumable(path, LearnPlan()) is None  # generated names now: not what that demo ran
+    assert _resumable(path, replace(pools, sft_lr=1e-3)) is None
     path.write_text(json.dumps(saved | {"complete": True}))
-    assert _resumable(path, LearnPlan()) is None
+    assert _resumable(path, pools) is None
