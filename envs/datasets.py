@@ -16,6 +16,9 @@ one adapter each; `detect` tells the format from a row's fields.
 - r2e-gym: `docker_image` (/testbed, `.venv`, run_tests.sh, hidden tests at /r2e_tests), the
   reward exact-match with `expected_output_json`; the base commit and the gold fix come from
   `parsed_commit_content`, FAIL_TO_PASS and PASS_TO_PASS from `execution_result_content`.
+  R2E-Gym's SWE-bench rows (its SWE-Bench-Verified and -Lite: a `docker_image` naming a SWE-bench
+  image, the SWE-bench fields, `parsed_commit`) run the image's own /run_tests.sh, graded by the
+  repository's SWE-bench parser (envs/harnesses.py, "r2e-swebench").
 """
 
 from __future__ import annotations
@@ -155,6 +158,8 @@ def _r2e_gym(row: dict) -> dict:
     from envs.harnesses import r2e_gold_patch
     from envs.log_parsers import parse_r2e_gym
 
+    if "swebench" in str(row.get("docker_image") or ""):  # DockerRuntime's own test (swebench_verified)
+        return _r2e_swebench(row)
     name = str(row.get("repo_name") or "")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise DatasetRowError("repo_name", "repo_name: missing or not a repository name")
@@ -183,6 +188,55 @@ def _r2e_gym(row: dict) -> dict:
                problem_statement=statement, patch=r2e_gold_patch(commit), test_patch="", FAIL_TO_PASS=f2p,
                PASS_TO_PASS=p2p, image=row["docker_image"], harness="r2e-gym", log_parser="r2e_gym",
                expected_output=expected, r2e_gym={"commit_hash": new_commit})
+    return out
+
+
+def swebench_parser(repo: str) -> str | None:
+    """The name (in envs.log_parsers) of the parser SWE-bench's harness reads `repo`'s logs with
+    (the swebench package's MAP_REPO_TO_PARSER_PY), or None: not a SWE-bench repository."""
+    try:
+        from swebench.harness.log_parsers.python import MAP_REPO_TO_PARSER_PY
+    except ImportError as e:
+        raise DatasetRowError("repo", "an R2E-Gym SWE-bench row is graded by the swebench package's parser of its "
+                                      "repository, which is not installed: pip install 'swerve[swebench]'") from e
+    parser = MAP_REPO_TO_PARSER_PY.get(repo)
+    if parser is None:
+        return None
+    from swebench.harness.log_parsers import python as py
+
+    # the package's aliases (parse_log_flask = parse_log_pytest, ...) name the parser they are
+    names = [n.removeprefix("parse_log_") for n, f in vars(py).items() if f is parser and n.startswith("parse_log_")]
+    from envs.log_parsers import PARSERS
+
+    return next((n for n in sorted(names, key=len) if n in PARSERS), None)
+
+
+def _r2e_swebench(row: dict) -> dict:
+    """R2E-Gym's SWE-bench row: the SWE-bench fields as they are, the image's /run_tests.sh the
+    test run (DockerRuntime._calculate_reward_swebench), the gold fix `patch` (or the non-test
+    files of `parsed_commit`, as R2E-Gym's own gold patch)."""
+    from envs.harnesses import r2e_gold_patch
+
+    for field in ("instance_id", "repo", "base_commit"):
+        if not row.get(field):
+            raise DatasetRowError(field, f"{field}: missing; an R2E-Gym SWE-bench row carries SWE-bench's fields")
+    f2p = _json_field(row, "FAIL_TO_PASS", list, "a list of test ids (or its JSON)")
+    p2p = _json_field(row, "PASS_TO_PASS", list, "a list of test ids (or its JSON)") if row.get("PASS_TO_PASS") \
+        is not None else []
+    parser = row.get("log_parser") or swebench_parser(str(row["repo"]))
+    if parser is None:
+        raise DatasetRowError("repo", f"repo: {row['repo']!r} has no parser in SWE-bench's harness "
+                                      "(MAP_REPO_TO_PARSER_PY): add the row's log_parser")
+    gold = row.get("patch")
+    if not gold and row.get("parsed_commit"):
+        gold = r2e_gold_patch(_json_field(row, "parsed_commit", dict))
+    statement = str(row.get("problem_statement") or "")
+    if issue := re.search(r"\[ISSUE\](.*)\[/ISSUE\]", statement, re.DOTALL):
+        statement = issue.group(1)
+    out = {k: v for k, v in row.items() if k not in ("docker_image", "parsed_commit", "run_tests_regression")}
+    out.update(problem_statement=statement, patch=gold or "", test_patch=row.get("test_patch") or "",
+               FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, image=row["docker_image"], harness="r2e-swebench",
+               log_parser=parser)
     return out
 
 

@@ -16,6 +16,18 @@ them, with what no sandbox of the agent's may hold kept out of it.
   history is cut after the base commit); grading links /testbed/r2e_tests to them as setup_env
   does, runs `bash run_tests.sh` and rewards 1 only when the parsed statuses equal
   `expected_output_json` exactly (`_calculate_reward_r2e`).
+- **r2e-swebench** (the same runtime on a row whose `docker_image` is a SWE-bench one:
+  `setup_env_swebench`, `_calculate_reward_swebench`, `get_logs_eval`, with swebench 3.0.2): the
+  image's /testbed at the base commit, its conda `testbed` environment first on PATH; the test run
+  is the image's own /run_tests.sh (SWE-bench's eval script: the test patch applied, the test
+  files run between the harness's markers). Its log counts for nothing when it holds one of the
+  harness's failure markers; otherwise it is read from the test command on (R2E-Gym splits at the
+  command; here at the start marker that precedes it, the row's `test_cmd` when it names it) by
+  the repository's SWE-bench parser, and the reward is 1 when every FAIL_TO_PASS and
+  PASS_TO_PASS test passed (PASSED or XFAIL), one missing, FAILED or ERROR failing it
+  (swebench 3.0.2's `get_eval_tests_report`: a SKIPPED test counts neither way). R2E-Gym leaves
+  /run_tests.sh in the agent's reach; it holds the hidden test patch, so here the agent's
+  container has none.
 
 The swesmith package itself cannot be used: 0.0.9 imports `DOCKER_USER` from swebench's
 constants, which swebench 5 no longer has, so its profiles fail to import beside the swebench
@@ -32,6 +44,7 @@ from dataclasses import asdict
 
 from envs.grading import GradingReport, RewardError, patch_files, report_from_log
 from envs.integrity import Guard, file_of_test
+from envs.log_parsers import PARSERS
 from envs.task import Task
 from sandboxes.base import SandboxError
 
@@ -45,6 +58,11 @@ BUG_FILE = "/tmp/.swerve-bug.patch"
 R2E_TESTS = "/r2e_tests"
 R2E_HIDDEN = ("run_tests.sh", "r2e_tests")
 """What R2E-Gym moves out of the agent's reach (agenthub SKIP_FILES_NEW), relative to /testbed."""
+R2E_SWEBENCH_TESTS = "/run_tests.sh"
+R2E_SWEBENCH_PATH = ("/opt/miniconda3/envs/testbed/bin",)
+"""setup_env_swebench links /root/.venv to the conda environment, first on R2E-Gym's PATH."""
+SWEBENCH_FAILURES = (">>>>> Patch Apply Failed", ">>>>> Reset Failed", ">>>>> Tests Errored", ">>>>> Tests Timed Out")
+SWEBENCH_START = ">>>>> Start Test Output"
 SUMMARY = "short test summary info"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m|\r")
 _COLOR = re.compile(r"\u001b\[\d+m")
@@ -59,6 +77,8 @@ def remove_paths(task: Task, grading: bool) -> tuple[str, ...]:
     """Paths of the image removed as root before the agent's first command."""
     if task.harness == "r2e-gym" and not grading:
         return (R2E_TESTS,) + tuple(f"{task.repo_dir()}/{p}" for p in R2E_HIDDEN)
+    if task.harness == "r2e-swebench" and not grading:
+        return (R2E_SWEBENCH_TESTS,)
     return ()
 
 
@@ -176,6 +196,43 @@ async def r2e_grade(sandbox, task: Task, timeout_s: float) -> GradingReport:
         report.guards.append(asdict(Guard("conflicting_results", f"{summaries} test summaries in one log")))
         report.resolution = "NO"
     report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
+    return report
+
+
+def swebench3_report(statuses: dict[str, str], tests: list[str]) -> dict[str, list[str]]:
+    """swebench 3.0.2's test_passed / test_failed over `tests`: passed when PASSED or XFAIL,
+    failed when missing, FAILED or ERROR (a SKIPPED test is neither)."""
+    return {"success": [t for t in tests if statuses.get(t) in ("PASSED", "XFAIL")],
+            "failure": [t for t in tests if t not in statuses or statuses[t] in ("FAILED", "ERROR")]}
+
+
+def r2e_swebench_log(output: str, test_cmd: str | None) -> str | None:
+    """get_logs_eval of R2E-Gym: None when the log holds a failure marker, else the log from the
+    test command on (its last mention; the start marker's when the command is not known)."""
+    if any(marker in output for marker in SWEBENCH_FAILURES):
+        return None
+    cut = test_cmd if test_cmd and test_cmd in output else SWEBENCH_START
+    return output.split(cut)[-1]
+
+
+async def r2e_swebench_grade(sandbox, task: Task, timeout_s: float) -> GradingReport:
+    """The image's /run_tests.sh run, its log read by the repository's parser, FULL when every
+    FAIL_TO_PASS and PASS_TO_PASS test passed."""
+    started = time.monotonic()
+    result = await sandbox.execute(f"bash {R2E_SWEBENCH_TESTS} 2>&1", timeout_s=timeout_s)
+    if result.timed_out:
+        raise RewardError(f"tests did not finish within {timeout_s} s", kind="test_timeout", log=result.output)
+    output = _ANSI.sub("", result.output)
+    log = r2e_swebench_log(output, task.test_cmd)
+    statuses = PARSERS[task.log_parser](log) if log is not None else {}
+    f2p, p2p = swebench3_report(statuses, task.FAIL_TO_PASS), swebench3_report(statuses, task.PASS_TO_PASS)
+    full = log is not None and not f2p["failure"] and not p2p["failure"]
+    report = GradingReport(resolution="FULL" if full else "NO", fail_to_pass=f2p, pass_to_pass=p2p, tests=statuses,
+                           test_exit_code=result.exit_code, log_tail=output[-4000:], log=output,
+                           duration_s=time.monotonic() - started)
+    if log is not None and (summaries := log.count(SUMMARY)) > 1:  # one printed by the code under test
+        report.guards.append(asdict(Guard("conflicting_results", f"{summaries} test summaries in one log")))
+        report.resolution = "NO"
     return report
 
 

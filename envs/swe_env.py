@@ -17,7 +17,10 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.grading import GradingReport, RewardError, apply_patch, guard_changes, patch_files, run_tests
-from envs.harnesses import R2E_HIDDEN, drop_hidden, r2e_grade, remove_paths, swe_smith_log, swe_smith_start, swe_smith_test_cmd
+from envs.harnesses import (
+    R2E_HIDDEN, R2E_SWEBENCH_PATH, drop_hidden, r2e_grade, r2e_swebench_grade, remove_paths, swe_smith_log,
+    swe_smith_start, swe_smith_test_cmd,
+)  # fmt: skip
 from envs.integrity import Guard, IntegrityMode, file_of_test
 from envs.task import Task
 from envs.tools import TOOLS, Editor, ToolCall, parse_tool_call, truncate_middle
@@ -100,7 +103,8 @@ async def sandbox_config(task: Task, cfg: SWEEnvConfig, episode: str | None = No
         raise SandboxError(missing)
     if task.image and cfg.backend == "docker":
         return DockerSandboxConfig(image=task.image, limits=limits, episode=episode, workdir=task.repo_dir(),
-                                   remove_paths=remove_paths(task, grading))
+                                   remove_paths=remove_paths(task, grading),
+                                   path_first=R2E_SWEBENCH_PATH if task.harness == "r2e-swebench" else ())
     if task.harness:
         raise SandboxError(f"{task.instance_id}: a {task.harness} row runs in its `image`, which holds its hidden "
                            "tests" + (", and only the docker backend runs it: use --backend docker" if task.image
@@ -239,6 +243,8 @@ async def grade(task: Task, diff: str, cfg: SWEEnvConfig) -> GradingReport:
                 return report
             if task.harness == "r2e-gym":
                 report = await r2e_grade(sandbox, task, cfg.test_timeout_s)
+            elif task.harness == "r2e-swebench":
+                report = await r2e_swebench_grade(sandbox, task, cfg.test_timeout_s)
             elif task.harness == "swe-smith":
                 report = await run_tests(sandbox, base_commit=BASE_TAG, test_patch=test_patch,
                                          test_cmd=swe_smith_test_cmd(task), parser="swe_smith",

@@ -89,7 +89,7 @@ class Task(BaseModel):
     integrity_allow: list[str] = []
     """Test files and test configuration the fix may change (glob patterns, e.g. "conftest.py"):
     grading reverts the agent's changes to any other such file (envs/integrity.py)."""
-    harness: Literal["swe-smith", "r2e-gym"] | None = None
+    harness: Literal["swe-smith", "r2e-gym", "r2e-swebench"] | None = None
     """A dataset whose `image` holds the hidden tests (envs/harnesses.py): the agent's starting
     state is made from the image as that dataset's harness makes it, the hidden tests out of its
     reach, and grading restores them and judges by that harness's rule. Docker backend only."""

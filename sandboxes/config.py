@@ -45,6 +45,9 @@ class DockerSandboxConfig(BaseModel):
     remove_paths: tuple[Annotated[str, Field(pattern=r"^/[A-Za-z0-9._-][A-Za-z0-9._/-]*$")], ...] = ()
     """Paths of the image removed, as root, before the sandbox's first command: what a prebuilt
     image ships that the agent must not reach (R2E-Gym's hidden tests, /r2e_tests)."""
+    path_first: tuple[Annotated[str, Field(pattern=r"^/[A-Za-z0-9._/-]+$")], ...] = ()
+    """Folders put first on a prebuilt image's PATH, as its harness runs every command (R2E-Gym:
+    a SWE-bench image's conda `testbed` environment)."""
 
     @field_validator("remove_paths")
     @classmethod

@@ -236,7 +236,8 @@ class DockerSandbox(ShellSandbox):
                              "GIT_PAGER": "cat", "PYTHONDONTWRITEBYTECODE": "1"}
                 # the base image (builds, and through their commit every task image made from it)
                 # puts the environment's Python environment first; a prebuilt image keeps its PATH
-                | ({"PATH": path_with_env(config.workdir, SYSTEM_PATH)} if config.image is None else {}),
+                | ({"PATH": path_with_env(config.workdir, SYSTEM_PATH)} if config.image is None else
+                   {"PATH": ":".join((*config.path_first, SYSTEM_PATH))} if config.path_first else {}),
             )  # fmt: skip
         except docker.errors.DockerException as e:
             raise SandboxError(f"cannot start a container from {image}: {e}") from e

@@ -1,6 +1,7 @@
 """SWE-smith and R2E-Gym rows as they ship (envs/harnesses.py), in images built here under the
 datasets' names and layouts (no registry is reachable): a generated task's repository at /testbed,
-SWE-smith's conda stand-in or R2E-Gym's `.venv`, `run_tests.sh` and /r2e_tests. The agent starts
+SWE-smith's conda stand-in or R2E-Gym's `.venv`, `run_tests.sh` and /r2e_tests, or for R2E-Gym's
+SWE-bench rows a conda stand-in and SWE-bench's eval script at /run_tests.sh. The agent starts
 where the dataset's harness starts it, with the hidden tests and the fix out of its reach; gold is
 FULL, empty NO, and the ways around the tests an agent could try are not a pass."""
 
@@ -342,23 +343,150 @@ async def test_an_r2e_agent_cannot_reach_the_hidden_tests_or_forge_their_summary
     assert report.resolution == "NO" and any(g["guard"] == "conflicting_results" for g in report.guards), report.log_tail
 
 
+SWEBENCH3_EVAL = """#!/bin/bash
+set -uxo pipefail
+source /opt/miniconda3/bin/activate
+conda activate testbed
+cd /testbed
+git config --global --add safe.directory /testbed
+cd /testbed
+git status
+git show
+git -c core.fileMode=false diff {base}
+source /opt/miniconda3/bin/activate
+conda activate testbed
+git checkout {base} {files}
+git apply -v - <<'EOF_114329324912'
+{test_patch}
+EOF_114329324912
+: '>>>>> Start Test Output'
+pytest -rA {files}
+: '>>>>> End Test Output'
+git checkout {base} {files}
+"""
+"""swebench 3.0.2's eval script for a pytest repository (test_spec/python.py make_eval_script_list),
+which R2E-Gym's SWE-bench images ship as /run_tests.sh."""
+
+
+@pytest.fixture(scope="module")
+def r2e_swebench(tmp_path_factory):
+    """A row of R2E-Gym's SWE-bench datasets and its image under their image name: /testbed the
+    upstream clone (the fix among its later commits) at the base commit, the conda `testbed`
+    environment (a stand-in: an interpreter environment with pytest), /run_tests.sh the SWE-bench
+    eval script with the test patch in it."""
+    client = require_docker()
+    tmp = tmp_path_factory.mktemp("r2e-swebench")
+    row, repo = generated_task(tmp, 19)
+    old = row["base_commit"]
+    git(repo, "checkout", "-q", "-b", "upstream")
+    git(repo, "apply", "-", input=row["patch"])
+    git(repo, "apply", "-", input=row["test_patch"])
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "fix the bug")
+    new = git(repo, "rev-parse", "HEAD").strip()
+    git(repo, "checkout", "-q", old)
+    files = " ".join(sorted({line[6:] for line in row["test_patch"].splitlines() if line.startswith("+++ b/")}))
+    version = client.containers.run(require_base(client), ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                    remove=True).decode().strip()
+    env = "/opt/miniconda3/envs/testbed"
+    iid = "psf__requests-1963"
+    image = image_with(client, f"slimshetty/swebench-verified:sweb.eval.x86_64.{iid}",
+                       trees=[("/testbed", repo)] + pytest_files(f"{env}/lib/python{version}/site-packages"),
+                       files={"/run_tests.sh": SWEBENCH3_EVAL.format(base=old, files=files, test_patch=row["test_patch"]),
+                              "/opt/miniconda3/bin/activate": 'conda() { [ "$1" = activate ] && export PATH="/opt/miniconda3/envs/$2/bin:$PATH"; }\n',
+                              f"{env}/pyvenv.cfg": f"home = /usr/bin\ninclude-system-site-packages = false\nversion = {version}\n",
+                              f"{env}/bin/pytest": '#!/bin/sh\nexec python -m pytest "$@"\n'},
+                       links={f"{env}/bin/python": "/usr/bin/python3"})
+    # as in SWE-bench, the tests of the files the eval script runs
+    f2p, p2p = ([pytest_id(t) for t in tests if pytest_id(t).split("::")[0] in files.split()]
+                for tests in (row["FAIL_TO_PASS"], row["PASS_TO_PASS"]))
+    assert f2p, row["FAIL_TO_PASS"]
+    shipped = {"repo": "psf/requests", "instance_id": iid, "base_commit": old, "patch": row["patch"],
+               "test_patch": row["test_patch"], "problem_statement": row["problem_statement"], "hints_text": "",
+               "created_at": "2014-03-24T23:42:00Z", "version": "2.3", "FAIL_TO_PASS": json.dumps(f2p),
+               "PASS_TO_PASS": json.dumps(p2p), "environment_setup_commit": old, "docker_image": image,
+               "parsed_commit": json.dumps(parsed_commit(row["patch"] + row["test_patch"], old, new))}
+    yield {"row": shipped, "new": new, "f2p": f2p, "p2p": p2p, "gold": row["patch"], "test_files": files.split()}
+    client.images.remove(image, force=True)
+
+
+def test_an_r2e_swebench_row_takes_its_repositorys_parser_and_names_what_it_lacks():
+    from envs.harnesses import r2e_swebench_log, swebench3_report
+
+    base = {"repo": "django/django", "instance_id": "django__django-11099", "base_commit": "a" * 40,
+            "FAIL_TO_PASS": '["t1"]', "PASS_TO_PASS": "[]", "docker_image": "slimshetty/swebench-verified:sweb.eval.x"}
+    assert datasets.detect(base) == "r2e-gym"
+    out = datasets.adapt(base)
+    assert (out["harness"], out["log_parser"], out["FAIL_TO_PASS"]) == ("r2e-swebench", "django", ["t1"])
+    assert "docker_image" not in out and out["image"] == base["docker_image"]
+    with pytest.raises(datasets.DatasetRowError, match=r"MAP_REPO_TO_PARSER_PY\): add the row's log_parser") as e:
+        datasets.adapt(base | {"repo": "someone/else"})
+    assert e.value.field == "repo"
+    assert datasets.adapt(base | {"repo": "someone/else", "log_parser": "pytest"})["log_parser"] == "pytest"
+    with pytest.raises(datasets.DatasetRowError, match="FAIL_TO_PASS: not JSON"):
+        datasets.adapt(base | {"FAIL_TO_PASS": "[t1"})
+    # get_logs_eval: a failure marker voids the log; the rest is read from the test command on
+    assert r2e_swebench_log(">>>>> Patch Apply Failed\nPASSED t1", None) is None
+    log = "+ : '>>>>> Start Test Output'\n+ pytest -rA t\nPASSED t1\n"
+    assert r2e_swebench_log("PASSED t2\n" + log, None) == "'\n+ pytest -rA t\nPASSED t1\n"
+    assert r2e_swebench_log("PASSED t2\n" + log, "pytest -rA") == " t\nPASSED t1\n"
+    # swebench 3.0.2: SKIPPED counts neither way, a missing test fails
+    assert swebench3_report({"a": "PASSED", "b": "SKIPPED", "c": "ERROR", "d": "XFAIL"}, ["a", "b", "c", "d", "e"]) == \
+        {"success": ["a", "d"], "failure": ["c", "e"]}
+
+
 @pytest.mark.slow
 @pytest.mark.docker
-def test_validate_and_eval_take_both_rows_as_they_ship(smith, r2e, tmp_path):
+async def test_an_r2e_swebench_row_starts_in_its_environment_without_the_eval_script(r2e_swebench, tmp_path):
+    task = Task.model_validate(datasets.adapt(r2e_swebench["row"]))
+    assert (task.harness, task.log_parser, task.repo_dir()) == ("r2e-swebench", "pytest_options", "/testbed")
+    assert task.FAIL_TO_PASS == r2e_swebench["f2p"] and task.patch == r2e_swebench["gold"]
+    async with task_sandbox(task, config(tmp_path)) as sandbox:
+        r = await sandbox.execute(f"pwd; ls /run_tests.sh 2>/dev/null | wc -l; git cat-file -e {r2e_swebench['new']} "
+                                  "2>/dev/null && echo FIX-FOUND; command -v python; python -c 'import pytest; print(\"ok\")'")
+        assert r.output.split() == ["/testbed", "0", "/opt/miniconda3/envs/testbed/bin/python", "ok"], r.output
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_an_r2e_swebench_row_grades_by_the_images_eval_script(r2e_swebench, tmp_path):
+    task = Task.model_validate(datasets.adapt(r2e_swebench["row"]))
+    gold = await grade(task, task.patch, config(tmp_path))
+    assert gold.resolution == "FULL", gold.log_tail
+    assert sorted(gold.fail_to_pass["success"]) == sorted(task.FAIL_TO_PASS) and gold.reward() == 1.0
+    empty = await grade(task, "", config(tmp_path))
+    assert empty.resolution == "NO" and sorted(empty.fail_to_pass["failure"]) == sorted(task.FAIL_TO_PASS)
+    # a conftest beside the hidden tests that passes every test: reverted, as every format's
+    test_dir = r2e_swebench["test_files"][0].rsplit("/", 1)[0]
+    passing = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+               "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    plant = "".join(f"+{line}\n" for line in passing.splitlines())
+    conftest = (f"diff --git a/{test_dir}/conftest.py b/{test_dir}/conftest.py\nnew file mode 100644\n--- /dev/null\n"
+                f"+++ b/{test_dir}/conftest.py\n@@ -0,0 +1,{len(passing.splitlines())} @@\n{plant}")
+    report = await grade(task, conftest, config(tmp_path))
+    assert report.resolution == "NO" and {"guard": "reverted", "detail": f"{test_dir}/conftest.py"} in report.guards, \
+        (report.guards, report.log_tail)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+def test_validate_and_eval_take_the_rows_as_they_ship(smith, r2e, r2e_swebench, tmp_path):
     from tests.test_cli import run_cli
 
+    shipped = (smith["row"], r2e["row"], r2e_swebench["row"])
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps(smith["row"]) + "\n" + json.dumps(r2e["row"]) + "\n")
+    rows.write_text("".join(json.dumps(r) + "\n" for r in shipped))
     env = {"SWERVE_DATA_DIR": str(tmp_path / "var")}
     done = run_cli(["suite", "validate", str(rows), "--backend", "docker", "--json"], env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert [v["valid"] for v in json.loads(done.stdout)] == [True, True], done.stdout
-    tasks = [Task.model_validate(datasets.adapt(r)) for r in (smith["row"], r2e["row"])]
+    assert [v["valid"] for v in json.loads(done.stdout)] == [True, True, True], done.stdout
+    tasks = [Task.model_validate(datasets.adapt(r)) for r in shipped]
     preds = tmp_path / "preds.jsonl"
     preds.write_text("".join(json.dumps({"instance_id": t.instance_id, "model_name_or_path": "m", "model_patch": p})
-                             + "\n" for t, p in zip(tasks, (tasks[0].patch, r2e["forge"]))))
+                             + "\n" for t, p in zip(tasks, (tasks[0].patch, r2e["forge"], tasks[2].patch))))
     done = run_cli(["eval", str(preds), "--suite", str(rows), "--backend", "docker", "--out", str(tmp_path / "out")],
                    env, timeout=600)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["resolved_ids"] == [tasks[0].instance_id] and report["unresolved_ids"] == [tasks[1].instance_id]
+    assert sorted(report["resolved_ids"]) == sorted([tasks[0].instance_id, tasks[2].instance_id])
+    assert report["unresolved_ids"] == [tasks[1].instance_id]
