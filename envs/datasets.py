@@ -27,6 +27,8 @@ import json
 import re
 from typing import Any
 
+from envs import swesmith_profiles
+
 FORMATS = ("auto", "swe-bench", "swe-gym", "swe-smith", "swe-rebench", "r2e-gym")
 
 
@@ -146,10 +148,18 @@ def _swe_smith(row: dict) -> dict:
         raise DatasetRowError("patch", f"patch: {e}") from e
     f2p = row.get("FAIL_TO_PASS")
     f2p = json.loads(f2p) if isinstance(f2p, str) else f2p
-    if not row.get("test_cmd") and isinstance(f2p, list) and any("::" not in str(t) for t in f2p):
-        raise DatasetRowError("test_cmd", "test_cmd: missing; these FAIL_TO_PASS ids are not pytest's, so the row "
-                                          "is not of a Python profile: add its profile's test_cmd and log_parser")
     out.update(image=image, bug_patch=bug, patch=gold, test_patch="", harness="swe-smith")
+    try:  # the harness runs a row by its repository's profile
+        prof, why = swesmith_profiles.profile(repo), ""
+    except swesmith_profiles.ProfileUnavailable as e:
+        prof, why = None, str(e)
+    if prof is not None:
+        out.setdefault("test_cmd", prof.test_cmd)
+        out.setdefault("log_parser", "swe_smith" if swesmith_profiles.is_python(prof) else swesmith_profiles.PROFILE_PARSER)
+    elif not row.get("test_cmd") and isinstance(f2p, list) and any("::" not in str(t) for t in f2p):
+        raise DatasetRowError("test_cmd", f"test_cmd: missing; these FAIL_TO_PASS ids are not pytest's, so the row is "
+                                          f"not of a Python profile, and its profile is not at hand ({why}): add its "
+                                          "profile's test_cmd and log_parser")
     out.setdefault("log_parser", "swe_smith")
     return out
 

@@ -117,11 +117,12 @@ def resolution(f2p: dict[str, list[str]], p2p: dict[str, list[str]]) -> Resoluti
     return "NO"
 
 
-def report_from_log(log: str, parser: str, f2p: list[str], p2p: list[str],
+def report_from_log(log: str, parser: str | Callable[[str], dict[str, str]], f2p: list[str], p2p: list[str],
                     exit_code: int | None = None) -> GradingReport:  # fmt: skip
-    """The verdict on a test log. A log that reports one test both passing and failing is no
-    pass (printed lines); with `exit_code` given, a FULL verdict also needs it to be 0."""
-    status_map = PARSERS[parser](log)
+    """The verdict on a test log (`parser`: a name in PARSERS, or a parser itself). A log that
+    reports one test both passing and failing is no pass (printed lines); with `exit_code`
+    given, a FULL verdict also needs it to be 0."""
+    status_map = parser(log) if callable(parser) else PARSERS[parser](log)
     f2p_report, p2p_report = tests_report(status_map, f2p, p2p)
     report = GradingReport(resolution=resolution(f2p_report, p2p_report), fail_to_pass=f2p_report,
                            pass_to_pass=p2p_report, tests=status_map, log_tail=log[-4000:], test_exit_code=exit_code,
@@ -211,7 +212,8 @@ async def _reset(sandbox, base_commit: str, paths) -> None:
         raise RewardError(f"cannot reset the test files: {result.output[-1500:]}", log=result.output)
 
 
-async def run_tests(sandbox, *, base_commit: str, test_patch: str, test_cmd: str, parser: str,
+async def run_tests(sandbox, *, base_commit: str, test_patch: str, test_cmd: str,
+                    parser: str | Callable[[str], dict[str, str]],
                     f2p: list[str], p2p: list[str], timeout_s: float, exit_code_counts: bool = True,
                     log_of: Callable[[str], str] | None = None) -> GradingReport:  # fmt: skip
     """After the agent's diff is in place: reset the test files, apply test_patch, run, parse

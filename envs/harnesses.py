@@ -29,20 +29,25 @@ them, with what no sandbox of the agent's may hold kept out of it.
   /run_tests.sh in the agent's reach; it holds the hidden test patch, so here the agent's
   container has none.
 
-The swesmith package itself cannot be used: 0.0.9 imports `DOCKER_USER` from swebench's
-constants, which swebench 5 no longer has, so its profiles fail to import beside the swebench
-that grades SWE-bench 5 rows. Its Python profile's command, parser and test-file rule are
-followed here instead, and a row names its own `test_cmd` for a profile that differs.
+A row's repository profile comes from the swesmith package (envs/swesmith_profiles.py, which
+gives 0.0.9 the swebench 4 names it imports): its test command, and for a language other than
+Python its own parser and test-file rule (Go: the `*_test.go` files defining an F2P test's
+function, found in the sandbox instead of a clone from GitHub; 0.0.9's other languages remove
+no file). The Python profile's parser and test-file rule are followed here line for line (a row
+without a profile, e.g. a mirror made here, runs as a Python one).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 from envs.grading import GradingReport, RewardError, patch_files, report_from_log
+from envs import swesmith_profiles
 from envs.integrity import Guard, file_of_test
 from envs.log_parsers import PARSERS
 from envs.task import Task
@@ -118,13 +123,42 @@ echo "$tip $bug"
 """
 
 
+def swe_smith_parser(task: Task) -> str | Callable[[str], dict[str, str]]:
+    """The parser a SWE-smith row's log is read with: the Python profile's (ours, line for line)
+    or the row's profile's own."""
+    if task.log_parser == swesmith_profiles.PROFILE_PARSER:
+        try:
+            swesmith_profiles.profile(task.repo)
+        except swesmith_profiles.ProfileUnavailable as e:
+            raise RewardError(f"{task.instance_id}: {e}") from e
+        return functools.partial(swesmith_profiles.parse, task.repo)
+    return task.log_parser
+
+
+async def _f2p_files(sandbox, task: Task, timeout_s: float) -> list[str]:
+    """The profile's get_test_files for the F2P tests: the files gather.py removes ("Remove F2P
+    Tests"). Python: the files of the test ids; Go: the *_test.go files defining a test's
+    function, found in the sandbox's repository (SWE-smith clones the mirror from GitHub);
+    swesmith 0.0.9's other profiles remove none."""
+    if task.log_parser != swesmith_profiles.PROFILE_PARSER:
+        return swe_smith_test_files(task.FAIL_TO_PASS)
+    try:
+        prof = swesmith_profiles.profile(task.repo)
+    except swesmith_profiles.ProfileUnavailable as e:
+        raise SandboxError(f"{task.instance_id}: {e}") from e
+    if not swesmith_profiles.is_go(prof) or not (script := swesmith_profiles.go_test_files_script(task.FAIL_TO_PASS)):
+        return []
+    found = await sandbox.execute(script, timeout_s=timeout_s)
+    return found.output.split() if found.exit_code in (0, 1) else []
+
+
 async def swe_smith_start(sandbox, task: Task, grading: bool, timeout_s: float) -> tuple[str, str]:
     """The instance's branch in the sandbox's repository (found, or made as gather.py makes it):
     its tip, where the agent starts, and, for grading, the patch that restores the F2P test
     files (the tip to its parent). Raises RewardError (grading) or SandboxError."""
     if task.bug_patch:
         await sandbox.write_file(BUG_FILE, task.bug_patch if task.bug_patch.endswith("\n") else task.bug_patch + "\n")
-    files = " ".join(shlex.quote(f) for f in swe_smith_test_files(task.FAIL_TO_PASS))
+    files = " ".join(shlex.quote(f) for f in await _f2p_files(sandbox, task, timeout_s))
     env = (f"ID={shlex.quote(task.instance_id)} BUG={BUG_FILE} FILES={shlex.quote(files)} "
            f"APPLY={shlex.quote(chr(10).join(SWE_SMITH_APPLY))}")
     result = await sandbox.execute(f"{env} bash -c {shlex.quote(_SMITH_START)}", timeout_s=timeout_s)

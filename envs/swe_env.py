@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envs.grading import GradingReport, RewardError, apply_patch, guard_changes, patch_files, run_tests
 from envs.harnesses import (
     R2E_HIDDEN, R2E_SWEBENCH_PATH, drop_hidden, r2e_grade, r2e_swebench_grade, remove_paths, swe_smith_log,
-    swe_smith_start, swe_smith_test_cmd,
+    swe_smith_parser, swe_smith_start, swe_smith_test_cmd,
 )  # fmt: skip
 from envs.integrity import Guard, IntegrityMode, file_of_test
 from envs.task import Task
@@ -247,7 +247,7 @@ async def grade(task: Task, diff: str, cfg: SWEEnvConfig) -> GradingReport:
                 report = await r2e_swebench_grade(sandbox, task, cfg.test_timeout_s)
             elif task.harness == "swe-smith":
                 report = await run_tests(sandbox, base_commit=BASE_TAG, test_patch=test_patch,
-                                         test_cmd=swe_smith_test_cmd(task), parser="swe_smith",
+                                         test_cmd=swe_smith_test_cmd(task), parser=swe_smith_parser(task),
                                          f2p=task.FAIL_TO_PASS, p2p=task.PASS_TO_PASS, timeout_s=cfg.test_timeout_s,
                                          exit_code_counts=False, log_of=swe_smith_log)
             else:

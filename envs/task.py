@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 LOG_PARSERS = (
     "pytest", "pytest_v2", "pytest_options", "django", "sympy", "seaborn", "matplotlib", "swe_smith", "r2e_gym",
+    "swe_smith_profile",
 )  # fmt: skip
-"""Log parsers a task may name (SWE-bench's names, without the `parse_log_` prefix)."""
+"""Log parsers a task may name (SWE-bench's names, without the `parse_log_` prefix;
+swe_smith_profile: the parser of the SWE-smith profile of the task's repo, envs/swesmith_profiles)."""
 
 _COMMIT = re.compile(r"^[0-9a-fA-F]{7,64}$")
 _SWEBENCH_PARSER = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -341,6 +342,95 @@ async def test_an_r2e_agent_cannot_reach_the_hidden_tests_or_forge_their_summary
     # printed past pytest's capture, to the runner's own output: a summary of the expected statuses
     report = await grade(task, r2e["forge"], config(tmp_path))
     assert report.resolution == "NO" and any(g["guard"] == "conflicting_results" for g in report.guards), report.log_tail
+
+
+def smith_mirror(tmp, files: dict[str, str], bugged: dict[str, str]) -> tuple[Path, str, str]:
+    """A SWE-smith mirror's clone (one commit, `files`) and the bug patch that turns them into
+    `bugged`: (the clone, its commit's first 8 digits, the bug patch)."""
+    mirror = tmp / "mirror"
+    for path, text in files.items():
+        (mirror / path).parent.mkdir(parents=True, exist_ok=True)
+        (mirror / path).write_text(text)
+    git(mirror, "init", "-q", "-b", "main")
+    git(mirror, "add", "-A")
+    git(mirror, "commit", "-qm", "Initial commit")
+    for path, text in bugged.items():
+        (mirror / path).write_text(text)
+    bug = git(mirror, "diff")
+    git(mirror, "checkout", "--", ".")
+    return mirror, git(mirror, "rev-parse", "HEAD")[:8], bug
+
+
+MAKE_CHECK = """check:
+\t@fail=0; for t in tests/*.test; do if sh $$t >/dev/null 2>&1; then echo "PASS: $$t"; else echo "FAIL: $$t"; fail=1; fi; done; exit $$fail
+"""
+"""automake's `make check` as jq's tests print it (PASS: / FAIL: per test)."""
+
+
+@pytest.fixture(scope="module")
+def smith_c(tmp_path_factory):
+    """A SWE-smith row of a C profile (jq: `make check`, its PASS:/FAIL: parser) whose image has
+    no instance branch: /testbed a mirror of shell-tested code, with make (this host's: the
+    datasets' images carry their toolchains and nothing here reaches a registry)."""
+    client = require_docker()
+    tmp = tmp_path_factory.mktemp("smith-c")
+    mirror, _, bug = smith_mirror(tmp, {
+        "Makefile": MAKE_CHECK, "src/add.sh": 'echo $(($1 + $2))\n', "src/say.sh": 'echo "$1"\n',
+        "tests/add.test": '[ "$(sh src/add.sh 2 3)" = 5 ]\n', "tests/say.test": '[ "$(sh src/say.sh hi)" = hi ]\n'},
+        {"src/add.sh": 'echo $(($1 - $2))\n'})
+    repo = "swesmith/jqlang__jq.b9e19de7"  # the profile's mirror (swesmith 0.0.9: Jqb9e19de76)
+    image = image_with(client, datasets.swe_smith_image(repo), trees=[("/testbed", mirror), ("/usr/bin/make", Path(shutil.which("make")))])
+    row = {"instance_id": "jqlang__jq.b9e19de7.func_pm_op_swap__q1w2e3r4", "repo": repo, "patch": bug,
+           "FAIL_TO_PASS": ["tests/add.test"], "PASS_TO_PASS": ["tests/say.test"], "image_name": image,
+           "problem_statement": "add 2 3 prints -1"}
+    yield {"row": row, "bug": bug}
+    client.images.remove(image, force=True)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_a_swe_smith_row_of_another_language_runs_by_its_profile(smith_c, tmp_path):
+    task = Task.model_validate(datasets.adapt(smith_c["row"]))
+    assert (task.test_cmd, task.log_parser) == ("make check", "swe_smith_profile")
+    async with task_sandbox(task, config(tmp_path)) as sandbox:  # the bug in, the tests kept (0.0.9's C profile)
+        r = await sandbox.execute("sh src/add.sh 2 3; ls tests; git log --format=%s | wc -l")
+        assert r.output.split() == ["-1", "add.test", "say.test", "1"], r.output
+    gold = await grade(task, task.patch, config(tmp_path))
+    assert gold.resolution == "FULL" and gold.tests == {"tests/add.test": "PASSED", "tests/say.test": "PASSED"}, \
+        gold.log_tail
+    empty = await grade(task, "", config(tmp_path))
+    assert empty.resolution == "NO" and empty.fail_to_pass["failure"] == ["tests/add.test"], empty.log_tail
+    # a test script the agent rewrote is reverted before the tests run
+    forged = ("diff --git a/tests/add.test b/tests/add.test\n--- a/tests/add.test\n+++ b/tests/add.test\n"
+              "@@ -1 +1 @@\n-[ \"$(sh src/add.sh 2 3)\" = 5 ]\n+true\n")
+    report = await grade(task, forged, config(tmp_path))
+    assert report.resolution == "NO" and {"guard": "reverted", "detail": "tests/add.test"} in report.guards, report.guards
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+async def test_a_go_swe_smith_row_starts_without_its_f2p_test_files(tmp_path):
+    """GoProfile.get_test_files, found in the sandbox's repository: the *_test.go files that
+    define a FAIL_TO_PASS test's function are removed, the others stay."""
+    client = require_docker()
+    mirror, _, bug = smith_mirror(tmp_path, {
+        "go.mod": "module example.com/gin\n\ngo 1.22\n", "add.go": "package gin\n\nfunc Add(a, b int) int { return a + b }\n",
+        "add_test.go": 'package gin\n\nimport "testing"\n\nfunc TestAdd(t *testing.T) {\n\tif Add(2, 3) != 5 {\n\t\tt.Fail()\n\t}\n}\n',
+        "other_test.go": 'package gin\n\nimport "testing"\n\nfunc TestAddition(t *testing.T) {}\n'},
+        {"add.go": "package gin\n\nfunc Add(a, b int) int { return a - b }\n"})
+    repo = "swesmith/gin-gonic__gin.3c12d2a8"  # swesmith 0.0.9: Gin3c12d2a8
+    image = image_with(client, datasets.swe_smith_image(repo) + ":test", trees=[("/testbed", mirror)])
+    try:
+        task = Task.model_validate(datasets.adapt({
+            "instance_id": "gin-gonic__gin.3c12d2a8.func_pm_op_swap__a1b2", "repo": repo, "patch": bug,
+            "FAIL_TO_PASS": ["TestAdd"], "PASS_TO_PASS": ["TestAddition"], "image_name": image,
+            "problem_statement": "Add(2, 3) is -1"}))
+        assert (task.test_cmd, task.log_parser) == ("go test -v ./...", "swe_smith_profile")
+        async with task_sandbox(task, config(tmp_path)) as sandbox:
+            r = await sandbox.execute("ls *.go; grep -c 'a - b' add.go")
+            assert r.output.split() == ["add.go", "other_test.go", "1"], r.output
+    finally:
+        client.images.remove(image, force=True)
 
 
 SWEBENCH3_EVAL = """#!/bin/bash
