@@ -23,7 +23,7 @@ from envs.log_parsers import parse_r2e_gym, parse_swe_smith
 from envs.swe_env import SWEEnvConfig, grade, task_sandbox
 from envs.task import Task
 from sandboxes.base import SandboxError
-from tests.dataset_images import generated_task, git, image_with, pytest_files, pytest_id
+from tests.dataset_images import generated_task, git, image_with, pytest_files, pytest_id, touched_tests
 from tests.sandbox_fixtures import require_docker
 
 CONDA_ACTIVATE = ('conda() { [ "$1" = activate ] && export PATH="/opt/miniconda3/envs/$2/bin:$PATH" '
@@ -235,21 +235,25 @@ async def test_writing_the_hidden_f2p_tests_earns_nothing(smith, tmp_path):
     assert report.resolution == "NO" and {"guard": "reverted", "detail": f2p_file} in report.guards, report.guards
 
 
+def upstream_clone(tmp, seed: int) -> tuple[dict, Path, str, str]:
+    """A generated task's repository as an upstream clone holds it: the fix (code and tests)
+    committed after the base commit, checked out. Returns (row, repo, base commit, fix commit)."""
+    row, repo = generated_task(tmp, seed)
+    git(repo, "checkout", "-q", "-b", "upstream")
+    git(repo, "apply", "-", input=row["patch"])
+    git(repo, "apply", "-", input=row["test_patch"])
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "fix the bug")
+    return row, repo, row["base_commit"], git(repo, "rev-parse", "HEAD").strip()
+
+
 @pytest.fixture(scope="module")
 def r2e(tmp_path_factory):
     """An R2E-Gym row and its image: /testbed the upstream clone (the fix among its commits),
     checked out at the old commit, with `.venv` and run_tests.sh; the hidden tests at /r2e_tests,
     one of them failing before and after the fix, as expected_output_json records it."""
     client = require_docker()
-    tmp = tmp_path_factory.mktemp("r2e")
-    row, repo = generated_task(tmp, 17)
-    old = row["base_commit"]
-    git(repo, "checkout", "-q", "-b", "upstream")
-    git(repo, "apply", "-", input=row["patch"])
-    git(repo, "apply", "-", input=row["test_patch"])
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "fix the bug")
-    new = git(repo, "rev-parse", "HEAD").strip()
+    row, repo, old, new = upstream_clone(tmp_path_factory.mktemp("r2e"), 17)
     tests = {f"/r2e_tests/test_{i}.py": (repo / f).read_text()
              for i, f in enumerate(sorted({t.split("::")[0] for t in map(pytest_id, row["FAIL_TO_PASS"] + row["PASS_TO_PASS"])}), 1)}
     tests["/r2e_tests/test_9.py"] = "def test_known_failure():\n    assert 1 == 2\n"
@@ -465,17 +469,9 @@ def r2e_swebench(tmp_path_factory):
     environment (a stand-in: an interpreter environment with pytest), /run_tests.sh the SWE-bench
     eval script with the test patch in it."""
     client = require_docker()
-    tmp = tmp_path_factory.mktemp("r2e-swebench")
-    row, repo = generated_task(tmp, 19)
-    old = row["base_commit"]
-    git(repo, "checkout", "-q", "-b", "upstream")
-    git(repo, "apply", "-", input=row["patch"])
-    git(repo, "apply", "-", input=row["test_patch"])
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "fix the bug")
-    new = git(repo, "rev-parse", "HEAD").strip()
+    row, repo, old, new = upstream_clone(tmp_path_factory.mktemp("r2e-swebench"), 19)
     git(repo, "checkout", "-q", old)
-    files = " ".join(sorted({line[6:] for line in row["test_patch"].splitlines() if line.startswith("+++ b/")}))
+    files = " ".join(touched_tests(row))
     version = client.containers.run(require_base(client), ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                                     remove=True).decode().strip()
     env = "/opt/miniconda3/envs/testbed"
