@@ -88,9 +88,14 @@ class LearnPlan:
     rl_steps: int = 24
     rl_groups_per_step: int = 8
     rl_samples: int = 8
-    rl_lr: float = 5e-4
+    rl_lr: float = 2e-4
+    """At 5e-4 (SFT's) the RL job of 2026-12-02 broke the tool-call format within 8 steps."""
     rl_negative_scale: float = 0.0
     """Advantages below zero scaled by this (0: learn only from samples better than their group)."""
+    rl_credit_malformed: bool = False
+    """False: turns without a well-formed tool call get no positive credit (trainer
+    DataConfig.credit_malformed): an episode out of turns is graded on its fix, and its
+    malformed last turns were reinforced with it."""
     rl_kl_coef: float = 0.01
     rl_fill_useful: bool = False
     """True: a step waits for groups_per_step groups that teach something (DAPO's dynamic
@@ -217,12 +222,14 @@ def _last_version(run_dir: Path) -> int:
     return max(versions)
 
 
-def rl_config(plan: LearnPlan, name: str, train: Path, heldout: Path, heldout_ids: list[str], model: Path,
-              endpoint: str, port: int) -> dict:  # fmt: skip
-    """The RL stage's `swerve rl` config: the shipped, tuned settings for this family."""
+def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], heldout: Path, heldout_ids: list[str],
+              model: Path, endpoint: str, port: int) -> dict:  # fmt: skip
+    """The RL stage's `swerve rl` config: the shipped, tuned settings for this family. It trains
+    on the train tasks no demonstration showed (all of them when every one was shown)."""
+    fresh = train_ids[plan.demos:] or train_ids
     return {
         "job": {"name": name, "steps": plan.rl_steps, "seed": plan.seed},
-        "suite": {"path": str(train), "groups_per_step": plan.rl_groups_per_step},
+        "suite": {"path": str(train), "groups_per_step": plan.rl_groups_per_step, "instance_ids": fresh},
         "eval": {"enabled": True, "path": str(heldout), "instance_ids": heldout_ids[:plan.rl_eval_tasks],
                  "every": min(plan.rl_eval_every, plan.rl_steps), "samples_per_task": plan.rl_eval_samples,
                  "sampling": {"temperature": plan.temperature, "max_tokens": plan.max_tokens}},
@@ -234,7 +241,8 @@ def rl_config(plan: LearnPlan, name: str, train: Path, heldout: Path, heldout_id
         "trainer": {"nproc": 1, "fill_useful": plan.rl_fill_useful, "checkpoint_every": max(1, plan.rl_steps // 4),
                     "optim": {"lr": plan.rl_lr},
                     "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
-                    "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale}},
+                    "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale,
+                             "credit_malformed": plan.rl_credit_malformed}},
         "inference": {"model": str(model), "endpoints": [endpoint], "max_model_len": plan.max_model_len},
         "serve": {"host": "127.0.0.1", "port": port, "after": False},
     }
@@ -363,8 +371,8 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         job = await _rl_job(main, f"demo-learn-s{plan.seed}")
         if "RL" not in done or out["rl_job"] != job:
             await serve_weights(endpoint, sft_model, 0)  # the job's version 0
-            cfg = rl.RLConfig.model_validate(rl_config(plan, job, paths["train"], paths["heldout"], heldout_ids,
-                                                       sft_model, endpoint, port))
+            cfg = rl.RLConfig.model_validate(rl_config(plan, job, paths["train"], train_ids, paths["heldout"],
+                                                       heldout_ids, sft_model, endpoint, port))
             rl.check(cfg)
             status = await rl.run_job(main, cfg, console)
             if status != "finished":
@@ -423,21 +431,34 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
     return base
 
 
-_AS_BEFORE = {"train_names": "pools"}
+_AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
+BEFORE_RL = ("generate", "model", "evaluate before SFT", "demonstrations", "SFT", "evaluate after SFT")
+"""The stages no RL setting (the plan's rl_ fields) changes."""
 
 
 def _resumable(path: Path, plan: LearnPlan) -> dict | None:
     """The figures a previous run of the same plan saved in `path` (fields added to the plan since
-    are compared at the value they had before, their default or _AS_BEFORE's), or None."""
+    are compared at the value they had before, their default or _AS_BEFORE's), or None. A plan
+    that differs only in RL settings keeps the stages before RL (RL and SFT continued, which
+    takes RL's wall time, start afresh)."""
     if not path.exists():
         return None
     before = json.loads(path.read_text())
     now = json.loads(json.dumps(asdict(plan)))
     defaults = json.loads(json.dumps(asdict(LearnPlan(seed=plan.seed)))) | _AS_BEFORE
     saved = {k: before["plan"].get(k, defaults[k]) for k in now}
-    return before if saved == now and not before.get("complete") else None
+    if before.get("complete"):
+        return None
+    if saved == now:
+        return before
+    if not all(k.startswith("rl_") for k in now if saved[k] != now[k]):
+        return None
+    stages = [st for st in before["stages"] if st["name"] in BEFORE_RL]
+    return before | {"evals": {k: v for k, v in before["evals"].items() if k in ("before SFT", "after SFT")},
+                     "stages": stages, "wall_s": sum(st["wall_s"] for st in stages), "rl_run_id": None,
+                     "rl_job": None}
 
 
 async def _finished_run(settings: Settings, name: str) -> uuid.UUID | None:

@@ -96,7 +96,8 @@ async def test_load_gives_every_episodes_turns_exactly_and_in_order(buffer):
                                output_ids=rng.integers(0, 150_000, k + 1).tolist(),
                                output_logprobs=None if idx == 1 else (-rng.random(k + 1)).astype(np.float32).tolist(),
                                policy_version=idx % 3, routed_experts=None if n == 0 else
-                               rng.integers(0, 256, (2 * k + 1, 4, 8)).astype(np.uint8))
+                               rng.integers(0, 256, (2 * k + 1, 4, 8)).astype(np.uint8),
+                               tool_call={"name": "bash", "arguments": {"command": "ls"}} if idx % 2 else None)
                 await buffer.append_turn(e, t)
                 written.setdefault(e, {})[idx] = t
     await finish_all(buffer, groups)
@@ -110,6 +111,7 @@ async def test_load_gives_every_episodes_turns_exactly_and_in_order(buffer):
             for got in episode.turns:
                 ref = want[got.idx]
                 assert (got.segment, got.policy_version) == (ref.segment, ref.policy_version)
+                assert got.called is (ref.tool_call is not None)  # a well-formed call, as training asks
                 assert got.input_ids.tolist() == list(ref.input_ids) and got.output_ids.tolist() == list(ref.output_ids)
                 if ref.output_logprobs is None:
                     assert got.output_logprobs is None

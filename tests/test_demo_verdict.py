@@ -36,6 +36,14 @@ def test_a_demo_resumes_only_the_same_unfinished_plan(tmp_path):
              "complete": False}
     path.write_text(json.dumps(saved))
     assert _resumable(path, LearnPlan())["evals"] == {"before SFT": {}}
+    # other RL settings: the stages before RL stand, RL and what takes its wall time start afresh
+    stages = [{"name": n, "wall_s": 2.0, "detail": {}} for n in ("generate", "SFT", "evaluate after SFT", "RL")]
+    path.write_text(json.dumps(saved | {"stages": stages, "evals": {"after SFT": {}, "after RL": {}},
+                                        "rl_job": "demo-learn-s0"}))
+    kept = _resumable(path, replace(LearnPlan(), rl_lr=1e-5))
+    assert [st["name"] for st in kept["stages"]] == ["generate", "SFT", "evaluate after SFT"]
+    assert kept["evals"] == {"after SFT": {}} and kept["wall_s"] == 6.0 and kept["rl_job"] is None
+    path.write_text(json.dumps(saved))
     del saved["plan"]["train_names"]  # written before the field existed, when every train name came from the pools
     path.write_text(json.dumps(saved))
     pools = replace(LearnPlan(), train_names="pools")

@@ -41,6 +41,25 @@ def test_segments_become_separate_sequences_and_experts_follow_tokens():
     assert a.routed_experts.shape == (6, 2, 2) and int(b.routed_experts[0, 0, 0]) == 1
 
 
+def test_turns_without_a_well_formed_call_get_no_positive_credit_when_asked():
+    """A rewarded episode whose last turn was malformed (graded once out of turns): with
+    credit_malformed off, that turn's tokens are not reinforced; the others are, and a negative
+    advantage still reaches every turn."""
+    good, bad, unknown = turn(0, 3, 2, 0), turn(1, 2, 3, 5), turn(2, 1, 2, 10)
+    good.called, bad.called = True, False
+    (seq,) = episode_sequences([good, bad, unknown], 1.0, credit_malformed=False)
+    assert seq.sampled.tolist() == [False] * 3 + [True] * 2 + [False] * 2 + [False] * 3 + [False] + [True] * 2
+    (seq,) = episode_sequences([good, bad, unknown], -0.5, credit_malformed=False)
+    assert seq.sampled[7:10].all()
+    (seq,) = episode_sequences([good, bad, unknown], 1.0)
+    assert seq.sampled[7:10].all()  # the default credits every turn, as before
+    group = GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), [
+        EpisodeData(uuid.uuid4(), 0, "max_turns", 1.0, 0, [good, bad]),
+        EpisodeData(uuid.uuid4(), 1, "submitted", 0.0, 0, [turn(0, 3, 2, 0)])])
+    seqs, _ = sequences_from_groups([group], DataConfig(credit_malformed=False))
+    assert seqs[0].sampled.tolist() == [False] * 3 + [True] * 2 + [False] * 2 + [False] * 3
+
+
 def test_missing_logprobs_are_refused():
     t = turn(0, 3, 2)
     t.output_logprobs = None

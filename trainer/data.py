@@ -33,6 +33,10 @@ class DataConfig(BaseModel):
     """Scales negative advantages: 1 is the plain group baseline, 0 learns only from samples
     better than their group (positive-advantage updates, which keep a small warm-started
     policy's tool-call format stable where pushing failures down breaks it)."""
+    credit_malformed: bool = True
+    """False: a turn without a well-formed tool call gets no positive advantage. An episode
+    graded after it ran out of turns is rewarded for its fix even when its last turns were
+    garbage; with credit, those turns are reinforced with the fix and the format erodes."""
 
 
 @dataclass
@@ -65,8 +69,11 @@ def group_advantages(rewards: list[float], cfg: DataConfig) -> np.ndarray:
     return adv
 
 
-def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None) -> list[Sequence]:
-    """One sequence per segment (a template that rewrites history starts a new one)."""
+def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None,
+                      credit_malformed: bool = True) -> list[Sequence]:  # fmt: skip
+    """One sequence per segment (a template that rewrites history starts a new one). With
+    `credit_malformed` False and a positive advantage, the sampled tokens of turns known to
+    lack a well-formed tool call (TurnRecord.called False) are not trained on."""
     by_segment: dict[int, list[TurnRecord]] = {}
     for t in sorted(turns, key=lambda t: t.idx):
         by_segment.setdefault(t.segment, []).append(t)
@@ -76,7 +83,8 @@ def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None
         for t in seg_turns:
             n_in, n_out = len(t.input_ids), len(t.output_ids)
             tokens += [np.asarray(t.input_ids, dtype=np.int64), np.asarray(t.output_ids, dtype=np.int64)]
-            sampled += [np.zeros(n_in, dtype=bool), np.ones(n_out, dtype=bool)]
+            trained = credit_malformed or advantage <= 0 or t.called is not False
+            sampled += [np.zeros(n_in, dtype=bool), np.full(n_out, trained, dtype=bool)]
             lp = t.output_logprobs
             if lp is None or len(lp) != n_out:
                 raise ValueError(f"episode {episode_id} turn {t.idx}: {n_out} sampled tokens but "
@@ -123,7 +131,7 @@ def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], Batc
         stats.advantages += adv.tolist()
         for e, a in zip(episodes, adv):
             stats.episodes += 1
-            out += episode_sequences(e.turns, float(a), e.id)
+            out += episode_sequences(e.turns, float(a), e.id, cfg.credit_malformed)
     return out, stats
 
 

@@ -150,20 +150,25 @@ _PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) SELECT {_PG_VALUES}
 
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
                  Turn.output_logprobs, Turn.routed_experts, Turn.policy_version)
+_CALLED = sa.func.coalesce(sa.cast(Turn.tool_call, sa.Text), "null") != "null"
+"""Whether the turn made a well-formed tool call: its tool_call is stored (SQLAlchemy's JSON
+stores None as JSON null on SQLite; psycopg's hot path as SQL NULL)."""
 
 
 # one binary COPY for all the episodes asked for: the rows stream at COPY's speed, with no
 # statement per episode, and bytea stays bytes (as text it would double)
-_PG_FETCH = (f"COPY (SELECT {', '.join(c.name for c in _TURN_COLUMNS)} FROM turns WHERE episode_id = ANY(%s::uuid[]) "
-             "ORDER BY episode_id, idx) TO STDOUT (FORMAT BINARY)")
-_PG_FETCH_TYPES = ["uuid", "int4", "int4", "bytea", "bytea", "bytea", "bytea", "int4"]
+_PG_FETCH = (f"COPY (SELECT {', '.join(c.name for c in _TURN_COLUMNS)}, coalesce(tool_call::text, 'null') <> 'null' "
+             "FROM turns "
+             "WHERE episode_id = ANY(%s::uuid[]) ORDER BY episode_id, idx) TO STDOUT (FORMAT BINARY)")
+_PG_FETCH_TYPES = ["uuid", "int4", "int4", "bytea", "bytea", "bytea", "bytea", "int4", "bool"]
 
 
 async def _fetch_turns(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> list[tuple]:
     """The turns' arrays, episode by episode in turn order (the (episode_id, idx) index, no
     sort of wide rows); on PostgreSQL in binary format (bytea as text would double the bytes)."""
     if conn.dialect.name != "postgresql":
-        query = sa.select(*_TURN_COLUMNS).where(Turn.episode_id.in_(episode_ids)).order_by(Turn.episode_id, Turn.idx)
+        query = (sa.select(*_TURN_COLUMNS, _CALLED).where(Turn.episode_id.in_(episode_ids))
+                 .order_by(Turn.episode_id, Turn.idx))
         return [tuple(r) for r in (await conn.execute(query)).all()]
     raw = (await conn.get_raw_connection()).driver_connection
     out: list[tuple] = []
@@ -357,11 +362,12 @@ class Buffer:
                                            .order_by(Episode.sample_index))).all()
             turns = await _fetch_turns(conn, [e.id for e in episodes])
         by_episode: dict[uuid.UUID, list[TurnRecord]] = {}
-        for episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version in turns:
+        for episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version, called in turns:
             by_episode.setdefault(episode_id, []).append(TurnRecord(
                 idx=idx, segment=segment, input_ids=decode_array(input_ids), output_ids=decode_array(output_ids),
                 output_logprobs=decode_array(logprobs) if logprobs else None,
-                routed_experts=decode_array(experts) if experts else None, policy_version=version))
+                routed_experts=decode_array(experts) if experts else None, policy_version=version,
+                called=bool(called)))
         out = {g.id: GroupData(g.id, g.run_id, g.task_id, []) for g in groups}
         for e in episodes:
             out[e.group_id].episodes.append(EpisodeData(e.id, e.sample_index, e.status, e.reward,

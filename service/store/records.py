@@ -107,3 +107,5 @@ class TurnRecord:
     policy_version_end: int | None = None
     routed_experts: Any = None
     """uint8/uint16 [len(input_ids)+len(output_ids), layers, top_k], or None."""
+    called: bool | None = None
+    """Loaded for training: whether the turn made a well-formed tool call (None: not known)."""
