@@ -75,6 +75,11 @@ class LearnPlan:
     max_tokens: int = 128
     """Tokens sampled per turn at most."""
     temperature: float = 1.0
+    """The RL job's sampling temperature (its rollouts and its evaluations every few steps)."""
+    eval_temperature: float = 0.5
+    """The four final evaluations' sampling temperature, the same for every row. At 1.0 the
+    policy's ~60-token edit call breaks on one sampled token in two: the demo of 2026-12-02
+    scored its SFT checkpoint 0.051 at 1.0 and 0.293 at 0.5 (bench/demo_temperature.py)."""
     eval_samples: int = 8
     """Samples per held-out task in the four final evaluations (pass@1 over them, pass@k = n)."""
     eval_templates_samples: int = 4
@@ -328,11 +333,12 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
             t = time.monotonic()
             await serve_weights(endpoint, weights, version)
             sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
+            at = replace(plan, temperature=plan.eval_temperature)
             _, held = await one_pass(main, paths["heldout"], f"demo-learn s{plan.seed}: {row} (heldout)", sampler,
-                                     plan.eval_samples, plan, port, console)
+                                     plan.eval_samples, at, port, console)
             _, templ = await one_pass(main, paths["heldout-templates"],
                                       f"demo-learn s{plan.seed}: {row} (heldout-templates)", sampler,
-                                      plan.eval_templates_samples, plan, port, console)
+                                      plan.eval_templates_samples, at, port, console)
             evals[row] = {"heldout": held, "heldout-templates": templ, "wall_s": time.monotonic() - t}
             stage(f"evaluate {row}", t, pass_at_1=held["pass_at_1"], format_error_rate=held["format_error_rate"])
             save()
@@ -431,18 +437,21 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
     return base
 
 
-_AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True}
+_AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
-BEFORE_RL = ("generate", "model", "evaluate before SFT", "demonstrations", "SFT", "evaluate after SFT")
-"""The stages no RL setting (the plan's rl_ fields) changes."""
+AFTER_RL = ("RL", "evaluate after RL", "SFT continued", "evaluate SFT continued")
+"""The stages an RL setting (the plan's rl_ fields) changes: RL, and SFT continued, which takes RL's wall time."""
+EVAL_FIELDS = ("eval_temperature", "eval_samples", "eval_templates_samples")
+"""Plan fields only the four final evaluations read."""
 
 
 def _resumable(path: Path, plan: LearnPlan) -> dict | None:
     """The figures a previous run of the same plan saved in `path` (fields added to the plan since
     are compared at the value they had before, their default or _AS_BEFORE's), or None. A plan
     that differs only in RL settings keeps the stages before RL (RL and SFT continued, which
-    takes RL's wall time, start afresh)."""
+    takes RL's wall time, start afresh); one that differs in evaluation settings keeps its
+    trained checkpoints and evaluates them all again."""
     if not path.exists():
         return None
     before = json.loads(path.read_text())
@@ -453,12 +462,17 @@ def _resumable(path: Path, plan: LearnPlan) -> dict | None:
         return None
     if saved == now:
         return before
-    if not all(k.startswith("rl_") for k in now if saved[k] != now[k]):
+    changed = {k for k in now if saved[k] != now[k]}
+    rl, evals = {k for k in changed if k.startswith("rl_")}, changed & set(EVAL_FIELDS)
+    if changed - rl - evals:
         return None
-    stages = [st for st in before["stages"] if st["name"] in BEFORE_RL]
-    return before | {"evals": {k: v for k, v in before["evals"].items() if k in ("before SFT", "after SFT")},
-                     "stages": stages, "wall_s": sum(st["wall_s"] for st in stages), "rl_run_id": None,
-                     "rl_job": None}
+    out = dict(before)
+    if rl:
+        out |= {"stages": [st for st in out["stages"] if st["name"] not in AFTER_RL], "rl_run_id": None, "rl_job": None,
+                "evals": {k: v for k, v in out["evals"].items() if k in ("before SFT", "after SFT")}}
+    if evals:
+        out |= {"stages": [st for st in out["stages"] if not st["name"].startswith("evaluate ")], "evals": {}}
+    return out | {"wall_s": sum(st["wall_s"] for st in out["stages"])}
 
 
 async def _finished_run(settings: Settings, name: str) -> uuid.UUID | None:
@@ -575,8 +589,8 @@ def results_section(out: dict, cmd: str) -> str:
            f"random-token repeats {pre['copy_accuracy']:.2f})" if (pre := out.get("pretrain")) else "") + "; "
         f"{plan['demos']} demonstrations (view, str_replace, submit) of train tasks; "
         f"{plan['n_heldout']} held-out tasks x {plan['eval_samples']} samples (names and constants never seen), "
-        f"{plan['n_heldout_templates']} held-out-template tasks x {plan['eval_templates_samples']}; temperature "
-        f"{plan['temperature']}, at most {plan['max_turns']} turns of {plan['max_tokens']} tokens. "
+        f"{plan['n_heldout_templates']} held-out-template tasks x {plan['eval_templates_samples']}, sampled at "
+        f"temperature {plan.get('eval_temperature', 1.0)} (the RL job's rollouts at {plan['temperature']}), at most {plan['max_turns']} turns of {plan['max_tokens']} tokens. "
         "pass@1 is the mean over tasks of the solved fraction, with a 95% Wilson interval over the samples; "
         "pass@k has k = the samples per task; format errors are turns without a well-formed tool call.", "",
         "| policy | held-out pass@1 (95% CI) | pass@k | format errors | mean turns "
@@ -636,5 +650,5 @@ def write_results(path: Path, out: dict, cmd: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + text[end + 1:] if end >= 0 else "")
     path.write_text(text)

@@ -43,6 +43,10 @@ def test_a_demo_resumes_only_the_same_unfinished_plan(tmp_path):
     kept = _resumable(path, replace(LearnPlan(), rl_lr=1e-5))
     assert [st["name"] for st in kept["stages"]] == ["generate", "SFT", "evaluate after SFT"]
     assert kept["evals"] == {"after SFT": {}} and kept["wall_s"] == 6.0 and kept["rl_job"] is None
+    # another evaluation temperature: every checkpoint stands (the RL job's too), every evaluation again
+    again = _resumable(path, replace(LearnPlan(), eval_temperature=0.25))
+    assert [st["name"] for st in again["stages"]] == ["generate", "SFT", "RL"]
+    assert again["evals"] == {} and again["rl_job"] == "demo-learn-s0" and again["wall_s"] == 6.0
     path.write_text(json.dumps(saved))
     del saved["plan"]["train_names"]  # written before the field existed, when every train name came from the pools
     path.write_text(json.dumps(saved))
@@ -52,3 +56,21 @@ def test_a_demo_resumes_only_the_same_unfinished_plan(tmp_path):
     assert _resumable(path, replace(pools, sft_lr=1e-3)) is None
     path.write_text(json.dumps(saved | {"complete": True}))
     assert _resumable(path, pools) is None
+
+
+def test_the_section_is_replaced_and_the_next_one_keeps_its_blank_line(tmp_path):
+    import json
+
+    from service.demo import write_results
+
+    out = json.loads(json.dumps({
+        "plan": {"demos": 2, "n_heldout": 2, "eval_samples": 2, "n_heldout_templates": 1, "eval_templates_samples": 1,
+                 "temperature": 1.0, "max_turns": 3, "max_tokens": 48},
+        "machine": {"cores": 2, "cpu": "x"}, "wall_s": 60.0, "parameters": 1e6, "pretrain": None, "evals": {},
+        "stages": [], "rl_run_id": None}))
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\n## demo learn (old)\n\nold figures\n\n## Copy probe\n\ntext\n")
+    write_results(path, out, "swerve demo learn --seed 0")
+    text = path.read_text()
+    assert "old figures" not in text and text.count("## demo learn") == 1
+    assert "\n\n## Copy probe\n\ntext\n" in text and not text.split("## Copy probe")[0].endswith("\n\n\n")
