@@ -451,17 +451,15 @@ def _resumable(path: Path, plan: LearnPlan) -> dict | None:
     are compared at the value they had before, their default or _AS_BEFORE's), or None. A plan
     that differs only in RL settings keeps the stages before RL (RL and SFT continued, which
     takes RL's wall time, start afresh); one that differs in evaluation settings keeps its
-    trained checkpoints and evaluates them all again."""
+    trained checkpoints and evaluates them all again. Both hold for a finished demo too."""
     if not path.exists():
         return None
     before = json.loads(path.read_text())
     now = json.loads(json.dumps(asdict(plan)))
     defaults = json.loads(json.dumps(asdict(LearnPlan(seed=plan.seed)))) | _AS_BEFORE
     saved = {k: before["plan"].get(k, defaults[k]) for k in now}
-    if before.get("complete"):
-        return None
-    if saved == now:
-        return before
+    if saved == now:  # the same plan: taken up where it stopped, or afresh once it finished
+        return None if before.get("complete") else before
     changed = {k for k in now if saved[k] != now[k]}
     rl, evals = {k for k in changed if k.startswith("rl_")}, changed & set(EVAL_FIELDS)
     if changed - rl - evals:

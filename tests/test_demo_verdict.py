@@ -56,6 +56,7 @@ def test_a_demo_resumes_only_the_same_unfinished_plan(tmp_path):
     assert _resumable(path, replace(pools, sft_lr=1e-3)) is None
     path.write_text(json.dumps(saved | {"complete": True}))
     assert _resumable(path, pools) is None
+    assert _resumable(path, replace(pools, eval_temperature=0.25))["evals"] == {}  # finished: re-evaluated
 
 
 def test_the_section_is_replaced_and_the_next_one_keeps_its_blank_line(tmp_path):
