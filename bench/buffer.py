@@ -104,7 +104,7 @@ async def _read_as_before(buffer: Buffer, group_ids, n_turns: int) -> float:
 
     async def per_episode(conn, episode_ids):
         raw = (await conn.get_raw_connection()).driver_connection
-        columns = ", ".join(c.name for c in module._TURN_COLUMNS) + ", coalesce(tool_call::text, 'null') <> 'null'"
+        columns = ", ".join(c.name for c in module._TURN_COLUMNS) + f", {module._PG_CALLED}"
         out = []
         async with raw.cursor(binary=True) as cur:
             for episode_id in episode_ids:

@@ -211,6 +211,13 @@ def r2e_compare(parsed: dict[str, str], expected: dict[str, str]) -> bool:
     return len(got) == len(want) and all(want.get(k) == v for k, v in got.items())
 
 
+def _one_summary(report: GradingReport, log: str) -> None:
+    """No pass for a log with more than one pytest "short test summary info"."""
+    if (summaries := log.count(SUMMARY)) > 1:
+        report.guards.append(asdict(Guard("conflicting_results", f"{summaries} test summaries in one log")))
+        report.resolution = "NO"
+
+
 async def r2e_grade(sandbox, task: Task, timeout_s: float) -> GradingReport:
     """The hidden tests linked in as setup_env links them, run_tests.sh run, the statuses
     compared with expected_output exactly."""
@@ -226,9 +233,7 @@ async def r2e_grade(sandbox, task: Task, timeout_s: float) -> GradingReport:
     report = report_from_log(log, "r2e_gym", task.FAIL_TO_PASS, task.PASS_TO_PASS)
     match = r2e_compare(report.tests, task.expected_output or {})
     report.resolution = "FULL" if match and task.expected_output else "NO"
-    if (summaries := log.count(SUMMARY)) > 1:  # the parser reads the first: a printed one would win
-        report.guards.append(asdict(Guard("conflicting_results", f"{summaries} test summaries in one log")))
-        report.resolution = "NO"
+    _one_summary(report, log)  # the parser reads the first: a printed one would win
     report.test_exit_code, report.duration_s = result.exit_code, time.monotonic() - started
     return report
 
@@ -264,9 +269,8 @@ async def r2e_swebench_grade(sandbox, task: Task, timeout_s: float) -> GradingRe
     report = GradingReport(resolution="FULL" if full else "NO", fail_to_pass=f2p, pass_to_pass=p2p, tests=statuses,
                            test_exit_code=result.exit_code, log_tail=output[-4000:], log=output,
                            duration_s=time.monotonic() - started)
-    if log is not None and (summaries := log.count(SUMMARY)) > 1:  # one printed by the code under test
-        report.guards.append(asdict(Guard("conflicting_results", f"{summaries} test summaries in one log")))
-        report.resolution = "NO"
+    if log is not None:
+        _one_summary(report, log)  # a second one printed by the code under test
     return report
 
 

@@ -157,8 +157,9 @@ stores None as JSON null on SQLite; psycopg's hot path as SQL NULL)."""
 
 # one binary COPY for all the episodes asked for: the rows stream at COPY's speed, with no
 # statement per episode, and bytea stays bytes (as text it would double)
-_PG_FETCH = (f"COPY (SELECT {', '.join(c.name for c in _TURN_COLUMNS)}, coalesce(tool_call::text, 'null') <> 'null' "
-             "FROM turns "
+_PG_CALLED = "coalesce(tool_call::text, 'null') <> 'null'"
+"""_CALLED in PostgreSQL's words, for the COPY (a jsonb null counts as no call, as on SQLite)."""
+_PG_FETCH = (f"COPY (SELECT {', '.join(c.name for c in _TURN_COLUMNS)}, {_PG_CALLED} FROM turns "
              "WHERE episode_id = ANY(%s::uuid[]) ORDER BY episode_id, idx) TO STDOUT (FORMAT BINARY)")
 _PG_FETCH_TYPES = ["uuid", "int4", "int4", "bytea", "bytea", "bytea", "bytea", "int4", "bool"]
 
