@@ -1,5 +1,5 @@
 """The checkpoints of a finished `swerve demo learn`, evaluated again on its held-out split at
-other sampling temperatures (the demo samples and evaluates at its plan's, 1.0): how much of
+other sampling temperatures (the demo evaluates at its plan's eval_temperature): how much of
 the held-out failure is the sampling noise of a 1M-parameter policy over ~60-token tool calls.
 
     .venv/bin/python bench/demo_temperature.py --temperatures 0.5 --models "after SFT" "after RL"
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -40,17 +39,18 @@ async def main(args) -> None:
             model = root / "models" / FOLDERS[name]
             await demo.serve_weights(vllm.url, model, 0)
             for temperature in args.temperatures:
-                probe = replace(plan, temperature=temperature)
                 sampler = {"type": "vllm", "endpoints": [vllm.url], "tokenizer": str(first)}
                 _, result = await demo.one_pass(settings, heldout, f"temperature probe: {name} at T={temperature}",
-                                                sampler, plan.eval_samples, probe, args.port, console)
+                                                sampler, plan.eval_samples, plan, args.port, console,
+                                                temperature=temperature)
                 rows.append((name, temperature, result))
                 print(f"{name} T={temperature}: pass@1 {result['pass_at_1']:.3f}", flush=True)
     finally:
         vllm.stop()
     print("\n| policy | temperature | held-out pass@1 (95% CI) | pass@k | format errors | mean turns |")
     print("|---|---|---|---|---|---|")
-    for name, temperature, r in [(n, 1.0, saved["evals"][n]["heldout"]) for n in args.models] + rows:
+    evaluated_at = saved["plan"].get("eval_temperature", 1.0)
+    for name, temperature, r in [(n, evaluated_at, saved["evals"][n]["heldout"]) for n in args.models] + rows:
         lo, hi = r["pass_at_1_ci"]
         print(f"| {name} | {temperature} | {r['pass_at_1']:.3f} ({lo:.3f}-{hi:.3f}) | {r['pass_at_k']:.3f} | "
               f"{r['format_error_rate']:.3f} | {r['mean_turns']:.2f} |")

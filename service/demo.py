@@ -74,12 +74,11 @@ class LearnPlan:
     """View, edit, submit: the demonstrated fix; an episode out of turns is graded all the same."""
     max_tokens: int = 128
     """Tokens sampled per turn at most."""
-    temperature: float = 1.0
-    """The RL job's sampling temperature (its rollouts and its evaluations every few steps)."""
     eval_temperature: float = 0.5
-    """The four final evaluations' sampling temperature, the same for every row. At 1.0 the
-    policy's ~60-token edit call breaks on one sampled token in two: the demo of 2026-12-02
-    scored its SFT checkpoint 0.051 at 1.0 and 0.293 at 0.5 (bench/demo_temperature.py)."""
+    """The evaluations' sampling temperature: the four final ones, the same for every row, and the
+    RL job's every few steps. At 1.0 the policy's ~60-token edit call breaks on one sampled token
+    in two: the demo of 2026-12-02 scored its SFT checkpoint 0.051 at 1.0 and 0.293 at 0.5
+    (bench/demo_temperature.py)."""
     eval_samples: int = 8
     """Samples per held-out task in the four final evaluations (pass@1 over them, pass@k = n)."""
     eval_templates_samples: int = 4
@@ -90,11 +89,21 @@ class LearnPlan:
     sft_lr: float = 5e-4
     """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
     copying, accuracy on random-token repeats 0.98 before and after)."""
-    rl_steps: int = 24
-    rl_groups_per_step: int = 8
-    rl_samples: int = 8
-    rl_lr: float = 2e-4
-    """At 5e-4 (SFT's) the RL job of 2026-12-02 broke the tool-call format within 8 steps."""
+    rl_steps: int = 40
+    """About 27 minutes on 2 cores (the target allows RL 30)."""
+    rl_groups_per_step: int = 4
+    rl_samples: int = 16
+    """Samples per task: 16 find a first success on tasks that 8 never solve (held-out pass@8 after
+    SFT was 0.39 against pass@1 0.29: most tasks are solved always or never)."""
+    rl_temperature: float = 0.7
+    """The RL job's rollout temperature, nearer the evaluations' than 1.0: at 1.0 the RL job of
+    2026-12-02 (24 steps) moved held-out pass@1 at 0.5 by 1.4 points, most of its samples failing
+    on a broken edit call rather than exploring fixes. The trainer's log-probabilities stay at
+    1.0 (vLLM's raw ones): with positive advantages only, the update raises the probability of
+    the successes sampled, as rejection-sampling fine-tuning does."""
+    rl_lr: float = 3e-4
+    """At 5e-4 with credit for malformed turns the RL job of 2026-12-02 broke the tool-call
+    format within 8 steps; 2e-4 without it was stable and still improving the format at step 24."""
     rl_negative_scale: float = 0.0
     """Advantages below zero scaled by this (0: learn only from samples better than their group)."""
     rl_credit_malformed: bool = False
@@ -177,9 +186,10 @@ async def _wait_run(engine, run_id: uuid.UUID, poll_s: float = 1.0) -> str:
 
 
 async def one_pass(settings: Settings, suite: Path, name: str, sampler: dict, samples: int, plan: LearnPlan,
-                   port: int, console, instance_ids: list[str] | None = None) -> tuple[uuid.UUID, dict]:  # fmt: skip
-    """A one-pass run of `suite` (imported on first use) to its end, in this process's service;
-    its evaluation summary (service.control.evaluation)."""
+                   port: int, console, instance_ids: list[str] | None = None,
+                   temperature: float = 1.0) -> tuple[uuid.UUID, dict]:  # fmt: skip
+    """A one-pass run of `suite` (imported on first use) to its end, in this process's service,
+    sampling at `temperature`; its evaluation summary (service.control.evaluation)."""
     from sqlalchemy.ext.asyncio import AsyncSession
 
     from service.control.evaluation import eval_results
@@ -192,7 +202,7 @@ async def one_pass(settings: Settings, suite: Path, name: str, sampler: dict, sa
         "suite_id": suite_id, "name": name, "sampler": sampler, "samples_per_task": samples,
         "concurrency": plan.concurrency, "max_off_policy_steps": 10**9,  # evaluations of any version
         "agent": {"max_turns": plan.max_turns,
-                  "sampling": {"max_tokens": plan.max_tokens, "temperature": plan.temperature}},
+                  "sampling": {"max_tokens": plan.max_tokens, "temperature": temperature}},
     } | ({"instance_ids": instance_ids} if instance_ids else {}))
     async with serve_app(settings, "127.0.0.1", port) as (app, _serving):
         run_id = await create_run(app.state.engine, cfg)
@@ -237,12 +247,12 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
         "suite": {"path": str(train), "groups_per_step": plan.rl_groups_per_step, "instance_ids": fresh},
         "eval": {"enabled": True, "path": str(heldout), "instance_ids": heldout_ids[:plan.rl_eval_tasks],
                  "every": min(plan.rl_eval_every, plan.rl_steps), "samples_per_task": plan.rl_eval_samples,
-                 "sampling": {"temperature": plan.temperature, "max_tokens": plan.max_tokens}},
+                 "sampling": {"temperature": plan.eval_temperature, "max_tokens": plan.max_tokens}},
         "filter": {"skip_solved": True, "min_groups": 1, "retry_prob": 0.1},
         "rollouts": {"samples_per_task": plan.rl_samples, "concurrency": plan.concurrency,
                      "max_off_policy_steps": 1, "worker_timeout_s": 120,
                      "agent": {"max_turns": plan.max_turns,
-                               "sampling": {"max_tokens": plan.max_tokens, "temperature": plan.temperature}}},
+                               "sampling": {"max_tokens": plan.max_tokens, "temperature": plan.rl_temperature}}},
         "trainer": {"nproc": 1, "fill_useful": plan.rl_fill_useful, "checkpoint_every": max(1, plan.rl_steps // 4),
                     "optim": {"lr": plan.rl_lr},
                     "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
@@ -333,12 +343,12 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
             t = time.monotonic()
             await serve_weights(endpoint, weights, version)
             sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
-            at = replace(plan, temperature=plan.eval_temperature)
             _, held = await one_pass(main, paths["heldout"], f"demo-learn s{plan.seed}: {row} (heldout)", sampler,
-                                     plan.eval_samples, at, port, console)
+                                     plan.eval_samples, plan, port, console, temperature=plan.eval_temperature)
             _, templ = await one_pass(main, paths["heldout-templates"],
                                       f"demo-learn s{plan.seed}: {row} (heldout-templates)", sampler,
-                                      plan.eval_templates_samples, at, port, console)
+                                      plan.eval_templates_samples, plan, port, console,
+                                      temperature=plan.eval_temperature)
             evals[row] = {"heldout": held, "heldout-templates": templ, "wall_s": time.monotonic() - t}
             stage(f"evaluate {row}", t, pass_at_1=held["pass_at_1"], format_error_rate=held["format_error_rate"])
             save()
@@ -437,7 +447,8 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
     return base
 
 
-_AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0}
+_AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0,
+              "rl_temperature": 1.0}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
 AFTER_RL = ("RL", "evaluate after RL", "SFT continued", "evaluate SFT continued")
@@ -588,7 +599,7 @@ def results_section(out: dict, cmd: str) -> str:
         f"{plan['demos']} demonstrations (view, str_replace, submit) of train tasks; "
         f"{plan['n_heldout']} held-out tasks x {plan['eval_samples']} samples (names and constants never seen), "
         f"{plan['n_heldout_templates']} held-out-template tasks x {plan['eval_templates_samples']}, sampled at "
-        f"temperature {plan.get('eval_temperature', 1.0)} (the RL job's rollouts at {plan['temperature']}), at most {plan['max_turns']} turns of {plan['max_tokens']} tokens. "
+        f"temperature {plan.get('eval_temperature', 1.0)} (the RL job's rollouts at {plan.get('rl_temperature', plan.get('temperature'))}), at most {plan['max_turns']} turns of {plan['max_tokens']} tokens. "
         "pass@1 is the mean over tasks of the solved fraction, with a 95% Wilson interval over the samples; "
         "pass@k has k = the samples per task; format errors are turns without a well-formed tool call.", "",
         "| policy | held-out pass@1 (95% CI) | pass@k | format errors | mean turns "

@@ -75,3 +75,27 @@ def test_the_section_is_replaced_and_the_next_one_keeps_its_blank_line(tmp_path)
     text = path.read_text()
     assert "old figures" not in text and text.count("## demo learn") == 1
     assert "\n\n## Copy probe\n\ntext\n" in text and not text.split("## Copy probe")[0].endswith("\n\n\n")
+
+
+def test_the_rl_job_samples_at_its_temperature_and_evaluates_at_the_evaluations(tmp_path):
+    """The RL job's rollouts sample at rl_temperature, its evaluations every few steps at the
+    final evaluations' eval_temperature; a demo saved when one `temperature` was both (1.0) and
+    had no rl_temperature resumes as that."""
+    import json
+    from dataclasses import asdict, replace
+
+    from service.demo import LearnPlan, _resumable, rl_config
+
+    plan = replace(LearnPlan(), rl_temperature=0.7, eval_temperature=0.5)
+    cfg = rl_config(plan, "job", tmp_path / "train.jsonl", [f"t{i}" for i in range(plan.demos + 8)],
+                    tmp_path / "heldout.jsonl", ["h0", "h1"], tmp_path / "model", "http://127.0.0.1:1", 8030)
+    assert cfg["rollouts"]["agent"]["sampling"]["temperature"] == 0.7
+    assert cfg["eval"]["sampling"]["temperature"] == 0.5
+    assert cfg["suite"]["instance_ids"] == [f"t{i}" for i in range(plan.demos, plan.demos + 8)]  # none demonstrated
+    old = asdict(LearnPlan()) | {"temperature": 1.0}
+    del old["rl_temperature"]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"plan": old, "evals": {}, "stages": [], "wall_s": 1.0, "complete": False}))
+    assert _resumable(path, replace(LearnPlan(), rl_temperature=1.0)) is not None
+    kept = _resumable(path, LearnPlan())  # only an RL setting differs: the stages before RL stand
+    assert kept is not None and kept["rl_job"] is None
