@@ -95,10 +95,26 @@ def policy_loss(logp: torch.Tensor, logp_inf: torch.Tensor, advantages: torch.Te
     return LossOutput(loss, metrics)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and the entropy of every position's distribution, in float32."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   entropy_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and the entropy of each position's distribution, in float32. The entropy is
+    a metric (no gradient), taken only where `entropy_at` (bool, the shape of targets) is true,
+    0 elsewhere (None: everywhere), a few rows at a time: over [L, vocab] at once it cost as
+    much as the log-softmax."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
-        entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return picked, entropy
+        flat = logprobs.detach().reshape(-1, logprobs.shape[-1])
+        entropy = torch.zeros(flat.shape[0], dtype=flat.dtype, device=flat.device)
+        rows = (torch.arange(flat.shape[0], device=flat.device) if entropy_at is None
+                else entropy_at.reshape(-1).nonzero().flatten())
+        step = max(1, ENTROPY_CHUNK // max(flat.shape[1], 1))
+        for s in range(0, len(rows), step):
+            at = rows[s:s + step]
+            lp = flat.index_select(0, at)
+            entropy[at] = -(lp.exp() * lp).sum(-1)
+    return picked, entropy.reshape(picked.shape)
+
+
+ENTROPY_CHUNK = 1 << 18
+"""Elements of [rows, vocab] log-probabilities the entropy reads at a time (1 MB in float32)."""

@@ -231,29 +231,44 @@ def _forward(model, inputs, positions, seq_ids, routed_experts):
             with replaying(model, routed_experts):
                 return model(inputs.unsqueeze(0), pos, attention_masks=masks)[0]
         return model(inputs.unsqueeze(0), pos, attention_masks=masks)[0]
-    out = []
-    start = 0
-    n = len(inputs)
-    while start < n:
-        end = start + 1
-        while end < n and seq_ids[end] == seq_ids[start] and positions[end] != 0:
-            end += 1
-        if seq_ids[start] < 0:  # padding: no loss there, no need to run it
-            width = model.config.dim if model._skip_lm_head else model.config.vocab_size
-            out.append(torch.zeros(end - start, width, device=inputs.device))
-        elif routed_experts is not None:
-            with replaying(model, routed_experts[start:end]):
+    # SDPA: each document on its own up to the final norm, then one vocabulary projection for the
+    # row (per-document logits concatenated cost a copy of [L, vocab] each way)
+    head = not model._skip_lm_head
+    model._skip_lm_head = True
+    try:
+        out = []
+        for start, end in document_spans(positions, seq_ids):
+            if seq_ids[start] < 0:  # padding: no loss there, no need to run it
+                out.append(torch.zeros(end - start, model.config.dim, device=inputs.device))
+            elif routed_experts is not None:
+                with replaying(model, routed_experts[start:end]):
+                    out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
+            else:
                 out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
-        else:
-            out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
-        start = end
-    return torch.cat(out)
+    finally:
+        model._skip_lm_head = not head
+    hidden = torch.cat(out) if len(out) > 1 else out[0]
+    return model.lm_head(hidden) if head else hidden
+
+
+def document_spans(positions: torch.Tensor, seq_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each document of a packed row: a document starts where positions restart
+    at 0 or the sequence id changes (padding, id -1, is a document of its own)."""
+    n = len(positions)
+    if n == 0:
+        return []
+    starts = positions == 0
+    starts[0] = True
+    starts[1:] |= seq_ids[1:] != seq_ids[:-1]
+    bounds = starts.nonzero().flatten().tolist() + [n]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def forward_logprobs(model, inputs: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor,
                      targets: torch.Tensor, routed_experts=None, *, chunk: int = 0,
-                     pieces: int | None = None):  # fmt: skip
-    """(log p(target) [L] with gradient, entropy [L] without) for one packed row.
+                     pieces: int | None = None, entropy_at: torch.Tensor | None = None):  # fmt: skip
+    """(log p(target) [L] with gradient, entropy [L] without) for one packed row; the entropy only
+    where `entropy_at` [L] (bool) is true, 0 elsewhere (None: everywhere).
 
     chunk > 0: the vocabulary projection and log-softmax run `chunk` positions at a time under
     activation checkpointing, so a 131k-token row never holds [L, vocab] logits (40 GB in bf16
@@ -269,18 +284,19 @@ def forward_logprobs(model, inputs: torch.Tensor, positions: torch.Tensor, seq_i
     from trainer.loss import token_logprobs
 
     if pieces is None and (chunk <= 0 or len(inputs) <= chunk):
-        return token_logprobs(forward_logits(model, inputs, positions, seq_ids, routed_experts), targets)
+        return token_logprobs(forward_logits(model, inputs, positions, seq_ids, routed_experts), targets, entropy_at)
     hidden = forward_logits(model, inputs, positions, seq_ids, routed_experts, head=False)
+    wanted = torch.ones_like(targets, dtype=torch.bool) if entropy_at is None else entropy_at.bool()
 
-    def piece(h: torch.Tensor, t: torch.Tensor):
-        return token_logprobs(model.lm_head(h), t)
+    def piece(h: torch.Tensor, t: torch.Tensor, w: torch.Tensor):
+        return token_logprobs(model.lm_head(h), t, w)
 
     bounds = range(0, len(inputs), chunk) if pieces is None else \
         [len(inputs) * k // pieces for k in range(pieces)]
     ends = [*bounds[1:], len(inputs)]
     logps, entropies = [], []
     for s, e in zip(bounds, ends):
-        logp, entropy = checkpoint(piece, hidden[s:e], targets[s:e], use_reentrant=False)
+        logp, entropy = checkpoint(piece, hidden[s:e], targets[s:e], wanted[s:e], use_reentrant=False)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)

@@ -308,7 +308,8 @@ class Trainer:
         if cfg.router_replay and self.moe_layers and row.routed_experts is not None:
             experts = torch.from_numpy(np.ascontiguousarray(row.routed_experts[s:e])).to(self.device)
         logp, entropy = forward_logprobs(self.model, t["inputs"], t["positions"], t["seq_ids"], t["targets"],
-                                         experts, chunk=cfg.logprob_chunk, pieces=pieces)
+                                         experts, chunk=cfg.logprob_chunk, pieces=pieces,
+                                         entropy_at=t["loss_mask"].bool())
         # SFT: no sampler to correct for (scripted "samples" carry logprob 0): ratio 1, plain NLL
         inf = logp.detach() if cfg.sft else t["inf_logprobs"]
         out = policy_loss(logp, inf, t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
