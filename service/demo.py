@@ -90,10 +90,11 @@ class LearnPlan:
     sft_lr: float = 5e-4
     """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
     copying, accuracy on random-token repeats 0.98 before and after)."""
-    rl_steps: int = 15
-    """About 27 minutes on 2 cores (the target allows RL 30): a step of 128 samples took about 105
-    s with the trainer beside it (AMD EPYC). 9 steps of 2026-12-03 (16 minutes) moved held-out
-    pass@1 from 0.223 to 0.266."""
+    rl_steps: int = 9
+    """About 16 minutes on 2 cores (AMD EPYC; a step of 128 samples about 105 s with the trainer
+    beside it). On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
+    job with the same settings saw its held-out evaluation fall (0.219 at v0, 0.109 at v5, 0.078
+    at v10) and was stopped at step 12: the run-to-run spread at lr 3e-4 is as large as the gain."""
     rl_groups_per_step: int = 16
     """Tasks per step. Most tasks are solved always or never (held-out pass@8 after SFT 0.39
     against pass@1 0.29), so only about a third of the groups carry a reward spread; the run of
