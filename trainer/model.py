@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -240,11 +241,9 @@ def _forward(model, inputs, positions, seq_ids, routed_experts):
         for start, end in document_spans(positions, seq_ids):
             if seq_ids[start] < 0:  # padding: no loss there, no need to run it
                 out.append(torch.zeros(end - start, model.config.dim, device=inputs.device))
-            elif routed_experts is not None:
-                with replaying(model, routed_experts[start:end]):
-                    out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
             else:
-                out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
+                with nullcontext() if routed_experts is None else replaying(model, routed_experts[start:end]):
+                    out.append(model(inputs[start:end].unsqueeze(0), positions[start:end].unsqueeze(0))[0])
     finally:
         model._skip_lm_head = not head
     hidden = torch.cat(out) if len(out) > 1 else out[0]
