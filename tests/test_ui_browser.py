@@ -249,9 +249,18 @@ def test_sampled_tokens_are_shaded_by_logprob(service, browser):
     p = Page(browser, service["url"])
     page = p.open(f"/episodes/{episode['id']}")
     page.check("#shade")
-    page.wait_for_selector("#turn-0 pre.shaded .tok")
+    page.wait_for_selector("#turn-0 pre.shaded")
     spans = page.locator("#turn-0 pre.shaded .tok")
-    assert spans.count() == len(detail["turns"][0]["output_ids"])
+    ids = detail["turns"][0]["output_ids"]
+    assert spans.count() == len(ids)
+    # every sampled token can be seen, the ones that decode to no text alone by their id (the
+    # random model samples ids past the tokenizer's vocabulary)
+    texts = spans.all_text_contents()
+    assert all(texts), [(i, t) for i, t in zip(ids, texts) if not t]
+    served = client.get(f"/api/v1/episodes/{episode['id']}/tokens", params={"turn": 0}).json()["tokens"]
+    assert [t["id"] for t in served] == ids
+    blank = page.locator("#turn-0 pre.shaded .tok.blank").all_text_contents()
+    assert blank == [f"\u27e8{t['id']}\u27e9" for t in served if t["text"] == ""]
     assert page.locator("#turn-0 pre.assistant:not(.shaded)").is_hidden()
     p.shot("episode-shaded")
     page.uncheck("#shade")
@@ -323,6 +332,6 @@ def test_shading_is_tried_again_when_the_tokenizer_is_not_ready(service, browser
     p.page.route("**/tokens?turn=0", first_two_refused)
     page = p.open(f"/episodes/{episode['id']}")
     page.check("#shade")
-    page.wait_for_selector("#turn-0 pre.shaded .tok", timeout=15_000)
+    page.wait_for_selector("#turn-0 pre.shaded", timeout=15_000)
     assert len(refused) == 2 and page.locator("#turn-0").get_attribute("data-shaded") == "yes"
     assert [e for e in p.errors if "409" not in e] == []  # the browser logs the refused fetches themselves

@@ -324,10 +324,13 @@ function episodePage() {
     const body = await response.json();
     const pre = el("pre", "assistant shaded");
     body.tokens.forEach((t) => {
-      const span = el("span", "tok", t.text);
+      // a token that decodes to nothing alone (an id past the tokenizer's vocabulary, a special
+      // token) is still a sampled token: shown by its id, so that it can be seen and hovered
+      const span = t.text ? el("span", "tok", t.text) : el("span", "tok blank", `\u27e8${t.id}\u27e9`);
       const p = t.logprob === null ? 1 : Math.exp(t.logprob);
       span.style.backgroundColor = `rgba(220, 38, 38, ${(0.6 * (1 - p)).toFixed(3)})`;
-      span.title = t.logprob === null ? "no logprob" : `logprob ${t.logprob.toFixed(3)} (p ${p.toFixed(3)})`;
+      span.title = (t.logprob === null ? "no logprob" : `logprob ${t.logprob.toFixed(3)} (p ${p.toFixed(3)})`)
+        + (t.text ? "" : `; token ${t.id} decodes to no text`);
       pre.appendChild(span);
     });
     const plain = li.querySelector("pre.assistant");
