@@ -63,6 +63,52 @@ def test_documents_in_a_row_do_not_see_each_other(tiny):
     torch.testing.assert_close(packed[20:], alone)
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_documents_of_the_same_length_run_as_one_batch_and_compute_what_each_does_alone(tiny, kind):
+    """A row of documents 20, 12, 20, 7 (padding), 12 tokens long: the two 20s and the two 12s run
+    batched (MoE: their routed experts replayed as a batch); each document's logits and the
+    gradient are those of running it alone (float32; only the order of summation in the matrix
+    products may differ)."""
+    from trainer.model import build_model, forward_logits
+    from trainer.replay import replaying
+
+    model, _, _ = build_model(tiny[kind])
+    lengths, ids = [20, 12, 20, 7, 12], [0, 1, 2, -1, 3]
+    docs = [torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(k)) for k, n in enumerate(lengths)]
+    row = torch.cat(docs)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    seq_ids = torch.cat([torch.full((n,), i) for n, i in zip(lengths, ids)])
+    routed = None
+    if kind == "moe":  # experts chosen at random, as a sampler's choices are not the trainer's
+        n_layers = sum(getattr(layer, "moe", None) is not None for layer in model.layers.values())
+        top_k = model.layers["0"].moe.router.top_k
+        routed = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:top_k]
+                              for t in range(len(row) * n_layers)]).view(len(row), n_layers, top_k)
+    packed = forward_logits(model, row, positions, seq_ids, routed)
+    weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(9))
+    (packed * weights).sum().backward()
+    batched_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    start, loss = 0, 0
+    for doc, n, i in zip(docs, lengths, ids):
+        if i >= 0:
+            if routed is None:
+                alone = model(doc[None], torch.arange(n)[None])[0]
+            else:
+                with replaying(model, routed[start:start + n]):
+                    alone = model(doc[None], torch.arange(n)[None])[0]
+            torch.testing.assert_close(packed[start:start + n].detach(), alone.detach())
+            loss = loss + (alone * weights[start:start + n]).sum()
+        start += n
+    loss.backward()
+    for batched, p in zip(batched_grads, model.parameters()):
+        # a gradient sums over every token of the row in float32: summed in another order, its
+        # entries agree to ~1e-7 per term of the largest one. MoE: the grouped experts multiply in
+        # bf16 (8 bits of mantissa), grouped differently batched and alone
+        scale = p.grad.abs().max().item()
+        torch.testing.assert_close(batched, p.grad, rtol=0, atol=(1e-5 if kind == "dense" else 2**-6) * scale)
+
+
 def test_unsupported_models_are_named(tmp_path):
     from trainer.model import ModelError, titan_config
 

@@ -65,15 +65,19 @@ def enable(model) -> int:
 
 @contextmanager
 def replaying(model, ids):
-    """Route this forward pass by ids [tokens, layers, top_k] (numpy or torch, batch of one)."""
+    """Route this forward pass by ids [tokens, layers, top_k] (numpy or torch, batch of one), or
+    [batch, tokens, layers, top_k] for a batch."""
     routers = _routers(model)
     ids = torch.as_tensor(ids)
-    if ids.ndim != 3 or ids.shape[1] != len(routers):
-        raise ValueError(f"routed experts {tuple(ids.shape)}: expected [tokens, {len(routers)} layers, top_k]")
+    if ids.ndim == 3:
+        ids = ids.unsqueeze(0)
+    if ids.ndim != 4 or ids.shape[2] != len(routers):
+        raise ValueError(f"routed experts {tuple(ids.shape)}: expected [tokens, {len(routers)} layers, top_k] "
+                         f"or [batch, tokens, {len(routers)} layers, top_k]")
     enable(model)
     try:
         for i, router in enumerate(routers):
-            router.replay_ids = ids[:, i, :].contiguous().unsqueeze(0)
+            router.replay_ids = ids[:, :, i, :].contiguous()
         yield
     finally:
         for router in routers:
