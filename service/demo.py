@@ -107,6 +107,10 @@ class LearnPlan:
     on a broken edit call rather than exploring fixes. The trainer's log-probabilities stay at
     1.0 (vLLM's raw ones): with positive advantages only, the update raises the probability of
     the successes sampled, as rejection-sampling fine-tuning does."""
+    rl_time_limit_s: float | None = 1500.0
+    """The RL job's trainer stops after the step that ends past this (its version is the job's
+    last, evaluated as the last), so that RL with its evaluations fits the 30 minutes on a slower
+    CPU; here the 9 steps end first (about 16 minutes)."""
     rl_lr: float = 3e-4
     """At 5e-4 with credit for malformed turns the RL job of 2026-12-02 broke the tool-call
     format within 8 steps; 2e-4 without it (8 groups of 8) was stable and still improving the
@@ -250,7 +254,7 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
     on the train tasks no demonstration showed (all of them when every one was shown)."""
     fresh = train_ids[plan.demos:] or train_ids
     return {
-        "job": {"name": name, "steps": plan.rl_steps, "seed": plan.seed},
+        "job": {"name": name, "steps": plan.rl_steps, "seed": plan.seed, "time_limit_s": plan.rl_time_limit_s},
         "suite": {"path": str(train), "groups_per_step": plan.rl_groups_per_step, "instance_ids": fresh},
         "eval": {"enabled": True, "path": str(heldout), "instance_ids": heldout_ids[:plan.rl_eval_tasks],
                  "every": min(plan.rl_eval_every, plan.rl_steps), "samples_per_task": plan.rl_eval_samples,
@@ -402,7 +406,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
                 raise DemoError(f"the RL job ended {status}; its logs are in {root / 'rl'} (run the demo "
                                 "again to resume: a new job starts from the SFT weights)")
             out["rl_run_id"], out["rl_job"] = str(await _training_run(main, job)), job
-            stage("RL", t, steps=plan.rl_steps, job=job)
+            stage("RL", t, steps=_last_version(root / "rl" / job), job=job)  # fewer at the time limit
         rl_wall = next(st.wall_s for st in stages if st.name == "RL")
         rl_dir = root / "rl" / job
         rl_model = model_folder(base, rl_dir / "weights" / f"v{_last_version(rl_dir)}", root / "models" / "rl")

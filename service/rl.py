@@ -2,7 +2,7 @@
 
     swerve rl --config envs/example_suite/rl.toml [--trainer.optim.lr=3e-5 --job.steps=8 ...]
 
-The TOML has a section per part: [job] (name, steps), [suite] (what to train on, epochs),
+The TOML has a section per part: [job] (name, steps, time limit), [suite] (what to train on, epochs),
 [eval] (the held-out suite, how often, n samples), [filter] (online difficulty filtering),
 [rollouts] (the run config: group size, agent, sandbox, staleness bounds), [trainer] (the
 trainer config) and [inference] (the model and the vLLM servers). Everything is checked before
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_CONFIG = REPO / "envs" / "example_suite" / "rl.toml"
 ROLLOUTS_WIRED = ("suite_id", "sampler", "training", "instance_ids", "repos", "name", "groups_per_step")
 TRAINER_WIRED = ("name", "model", "out_dir", "database_url", "endpoints", "served_model", "run_id", "steps",
-                 "until_step", "evaluate_every", "max_off_policy_steps", "groups_per_step")
+                 "until_step", "evaluate_every", "max_off_policy_steps", "groups_per_step", "time_limit_s")
 
 
 class ConfigError(ValueError):
@@ -59,6 +59,10 @@ class JobSection(_Section):
     """The job's name: running the same name again resumes it (its folder, its training run)."""
     steps: int = Field(ge=1)
     """Trainer steps: the job ends once version `steps` is published (and evaluated)."""
+    time_limit_s: float | None = Field(None, gt=0)
+    """Wall time for training: the trainer stops after the first step that ends this long after
+    it started (a resumed job gets it again), and that version is the job's last, evaluated as the
+    last; None: `steps` alone ends the job."""
     seed: int = 0
 
 
@@ -243,7 +247,7 @@ def trainer_config(cfg: RLConfig, model: Path, job_dir: Path, endpoints: list[st
             "until_step": cfg.job.steps, "groups_per_step": cfg.suite.groups_per_step,
             "max_off_policy_steps": int(cfg.rollouts.get("max_off_policy_steps", 4)),
             "evaluate_every": cfg.eval.every if cfg.eval.enabled and cfg.eval.hold_trainer else None,
-            "seed": cfg.job.seed}
+            "seed": cfg.job.seed, "time_limit_s": cfg.job.time_limit_s}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(raw, f)
         f.flush()
@@ -484,7 +488,8 @@ def summary(state: dict):
     from rich.table import Table
 
     t = state["training"] or {}
-    table = Table(title=f"run {state['id']}: {state['status']}")
+    early = f", stopped at version {t['last_step']} by the time limit" if t.get("stopped_early") else ""
+    table = Table(title=f"run {state['id']}: {state['status']}{early}")
     for column in ("version", "reward", "useful", "mismatch KL", "staleness", "wait s", "train s", "publish s",
                    "eval pass@1 [95% CI]", "pass@k", "format err"):
         table.add_column(column, no_wrap=column == "version")  # the key column is never cut

@@ -221,6 +221,40 @@ def test_rl_job_on_embedded_defaults_survives_sigkill(vllm_fleet, tmp_path):
         _back_to_initial_weights(vllm_fleet)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_job_time_limit_ends_it_after_the_step_in_progress_and_evaluates_that_version(vllm_fleet, tmp_path):
+    """[job] time_limit_s: the trainer stops after its first step, whose version becomes the job's
+    last: the run finishes there (not at job.steps = 3) and that version is evaluated as the last."""
+    from tests.conftest import require_torchtitan
+    from tests.sandbox_fixtures import require_bwrap
+
+    require_torchtitan()
+    require_bwrap()
+    url = vllm_fleet.url("dense-a")
+    env = clean_env() | {"SWERVE_DATA_DIR": str(tmp_path / "var")}
+    config = write_config(tmp_path, job={"name": "ci", "steps": 3, "time_limit_s": 0.001},
+                          inference={"endpoints": [url], "model": str(vllm_fleet.models["dense"]), "served_model": "tiny"})
+    log = tmp_path / "rl.log"
+    try:
+        job = _start(config, env, log)
+        assert job.wait(timeout=900) == 0, log.read_text()[-6000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+        _back_to_initial_weights(vllm_fleet)
+    text = log.read_text()
+    assert "stopped at version 1 by the time limit" in text, text[-3000:]
+    state = _state(f"sqlite:///{tmp_path / 'var' / 'swerve.db'}")
+    assert state["versions"] == [0, 1]
+    train = [r for r in state["runs"] if r.kind == "train"]
+    assert len(train) == 1 and train[0].status == "finished"
+    evals = {r.policy_version: r.status for r in state["runs"] if r.kind == "eval"}
+    assert evals == {0: "finished", 1: "finished"}  # the last version evaluated, though 1 % every != 0
+    trained = [g.trainer_step for g in state["groups"] if g.kind == "train" and g.status == "consumed"]
+    assert trained == [1] and not [g for g in state["groups"] if g.status == "claimed"]
+
+
 def _back_to_initial_weights(vllm_fleet) -> None:
     """The fleet is shared by the session: back to the initial weights, version 0."""
     import asyncio

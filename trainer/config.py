@@ -124,7 +124,9 @@ class TrainerConfig(BaseModel):
     dataset: DatasetConfig | None = None
     """Train on a run's groups as a fixed dataset instead of claiming from the buffer."""
     time_limit_s: float | None = Field(None, gt=0)
-    """Stop after the first step that ends this long after this process started training."""
+    """Stop after the first step that ends this long after this process started training. With a
+    training run (run_id, no dataset) that step's version becomes the run's last: it is evaluated
+    as the last and the run ends (service.control.training.last_version)."""
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     data: DataConfig = DataConfig()

@@ -148,6 +148,8 @@ class Trainer:
             history.append(metrics)
             if self.cfg.time_limit_s is not None and time.monotonic() - started >= self.cfg.time_limit_s:
                 logger.info("stopping at step %d: time_limit_s (%s s) reached", self.step, self.cfg.time_limit_s)
+                if self.ranks.rank == 0 and self.cfg.run_id is not None and self.cfg.dataset is None:
+                    await self.buffer.end_training(self.cfg.run_id, self.step)  # its last version: the run ends
                 break
         return history
 

@@ -311,6 +311,9 @@ class StepPublic(BaseModel):
 class TrainingPublic(BaseModel):
     step: int
     last_step: int | None
+    """The version that ends the run: training.steps, or where the job's time limit stopped it."""
+    stopped_early: bool = False
+    """The trainer stopped at last_step before training.steps: the job's time limit."""
     epoch: int | None
     epochs: int | None
     exhausted: bool

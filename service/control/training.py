@@ -90,6 +90,13 @@ async def newest_version(conn: AsyncConnection) -> int | None:
     return await conn.scalar(sa.select(sa.func.max(Policy.version)))
 
 
+async def last_version(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig) -> int:
+    """The version that ends the training run: `training.steps`, or the one its trainer stopped
+    at early (the job's time limit)."""
+    early = await conn.scalar(sa.select(Run.last_version).where(Run.id == run_id))
+    return cfg.training.steps if early is None else min(early, cfg.training.steps)
+
+
 async def start_evaluation(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int | None,
                            fleet_version: int | None) -> None:  # fmt: skip
     """An evaluation of the newest version when it is due one, the fleet serves it (the trainer
@@ -97,8 +104,10 @@ async def start_evaluation(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunCon
     the previous one) and it has none made after it was published (a version withdrawn by a
     trainer's resume and published again is evaluated again)."""
     ev = cfg.training.eval
-    if ev is None or version is None or version > cfg.training.steps \
-            or not eval_due(version, ev.every, cfg.training.steps):
+    if ev is None or version is None:
+        return
+    last = await last_version(conn, run_id, cfg)
+    if version > last or not eval_due(version, ev.every, last):
         return
     if fleet_version is None or fleet_version < version:
         return
@@ -122,7 +131,7 @@ async def cancel_stale_evaluations(conn: AsyncConnection, run_id: uuid.UUID, ver
 async def evaluation_pending(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int) -> bool:
     """Whether the evaluation of `version` (when due one) has yet to end."""
     ev = cfg.training.eval
-    if ev is None or not eval_due(version, ev.every, cfg.training.steps):
+    if ev is None or not eval_due(version, ev.every, await last_version(conn, run_id, cfg)):
         return False
     status = await Buffer.evaluation_status(conn, run_id, version)
     return status is None or status in RUN_ACTIVE
@@ -135,7 +144,7 @@ async def done(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version
     newest version's evaluation, when due, is over."""
     if version is None:
         return False
-    if version < cfg.training.steps:
+    if version < await last_version(conn, run_id, cfg):
         exhausted = await conn.scalar(sa.select(Run.exhausted_at).where(Run.id == run_id)) is not None
         all_final = sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL)
         waiting = await conn.scalar(sa.select(sa.func.count()).select_from(Group).where(

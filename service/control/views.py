@@ -252,7 +252,9 @@ async def training(session: AsyncSession, run: Run) -> dict | None:
     groups = dict((await session.execute(sa.select(Group.status, sa.func.count()).where(Group.run_id == run.id)
                                          .group_by(Group.status))).all())
     epoch = await session.scalar(sa.select(sa.func.max(Group.epoch)).where(Group.run_id == run.id))
-    return {"step": steps[-1]["version"] if steps else 0, "last_step": cfg.get("steps"), "epoch": epoch,
+    last = cfg.get("steps") if run.last_version is None else min(run.last_version, cfg.get("steps"))
+    return {"step": steps[-1]["version"] if steps else 0, "last_step": last, "stopped_early": run.last_version is not None,
+            "epoch": epoch,
             "epochs": cfg.get("epochs"), "exhausted": run.exhausted_at is not None, "groups": groups,
             "filtered": groups.get("skipped", 0), "dropped": groups.get("dropped", 0),
             "steps_per_hour": len(steps) / hours if hours else None, "steps": steps,

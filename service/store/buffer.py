@@ -565,6 +565,12 @@ class Buffer:
         async with self.engine.connect() as conn:
             return await Buffer.evaluation_status(conn, run_id, version)
 
+    async def end_training(self, run_id: uuid.UUID, version: int) -> None:
+        """The trainer stopped early (its time limit): `version` is the run's last, evaluated as
+        the last and ending the run as `training.steps` would."""
+        async with self.engine.begin() as conn:
+            await conn.execute(sa.update(Run).where(Run.id == run_id).values(last_version=version))
+
     async def schedule_done(self, run_id: uuid.UUID) -> bool:
         """Whether a training run will make no more groups to train on: it ended, or its
         schedule is exhausted and none of its groups is still being sampled."""

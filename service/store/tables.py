@@ -126,6 +126,9 @@ class Run(Base):
     """The policy version an evaluation evaluates."""
     exhausted_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
     """A training run: when the last group of its schedule (epochs, max_groups) was created."""
+    last_version: Mapped[int | None] = mapped_column()
+    """A training run whose trainer stopped early (the job's time limit): its last version, which
+    ends the run as `training.steps` does; None: `training.steps`."""
     suite_id: Mapped[uuid.UUID] = mapped_column(sa.ForeignKey("suites.id", ondelete="RESTRICT"))
     name: Mapped[str | None] = mapped_column(sa.String(200))
     status: Mapped[str] = mapped_column(sa.String(32), default="pending")
