@@ -203,7 +203,7 @@ async def one_pass(settings: Settings, suite: Path, name: str, sampler: dict, sa
     sampling at `temperature`; its evaluation summary (service.control.evaluation)."""
     from sqlalchemy.ext.asyncio import AsyncSession
 
-    from service.control.evaluation import eval_results
+    from service.control.evaluation import eval_results, solved_fractions, task_rewards
     from service.control.runs import create_run
     from service.embedded import import_suite, serve_app
     from service.worker.config import RunConfig
@@ -221,6 +221,7 @@ async def one_pass(settings: Settings, suite: Path, name: str, sampler: dict, sa
         status = await _wait_run(app.state.engine, run_id)
         async with AsyncSession(app.state.engine) as session:
             result = (await eval_results(session, {run_id: samples}))[run_id]
+            result["solved"] = solved_fractions(await task_rewards(session, run_id))  # for paired comparisons
     if status != "finished":
         raise DemoError(f"run {name!r} ({run_id}) ended {status}")
     return run_id, result | {"run_id": str(run_id), "status": status}
@@ -424,11 +425,32 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         await evaluate("SFT continued", cont_model, 0)
     finally:
         vllm.stop()
+    await _add_solved(main, evals)
 
     shot = await _screenshot(main, uuid.UUID(out["rl_run_id"]), root, port) if screenshot else None
     out |= {"screenshot": str(shot) if shot else None, "complete": True}
     save()
     return out
+
+
+async def _add_solved(settings: Settings, evals: dict) -> None:
+    """Each held-out evaluation's per-task solved fractions, from its run, where a demo made before
+    they were recorded lacks them (the paired comparisons of results_section need them)."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from service.control.evaluation import solved_fractions, task_rewards
+    from service.store.db import make_async_engine
+
+    missing = [e["heldout"] for e in evals.values() if "solved" not in e["heldout"]]
+    if not missing:
+        return
+    engine = make_async_engine(settings.resolved_database_url)
+    try:
+        async with AsyncSession(engine) as session:
+            for held in missing:
+                held["solved"] = solved_fractions(await task_rewards(session, uuid.UUID(held["run_id"])))
+    finally:
+        await engine.dispose()
 
 
 def _model(models: Path, plan: LearnPlan, console) -> Path:
@@ -629,8 +651,15 @@ def results_section(out: dict, cmd: str) -> str:
         lines.append(f"| {row} | {_fmt(h['pass_at_1'])} ({_fmt(ci[0] if ci else None)}-{_fmt(ci[1] if ci else None)}) "
                      f"| {_fmt(h['pass_at_k'])} | {_fmt(h['format_error_rate'])} | {_fmt(h['mean_turns'], 2)} "
                      f"| {_fmt(t['pass_at_1'])} | {'-' if wall_of[row] is None else f'{wall_of[row] / 60:.1f} min'} |")
-    lines += ["", "Stages: " + "; ".join(f"{s['name']} {s['wall_s']:.0f} s" for s in out["stages"]) + ".",
-              "", target_verdict(out["evals"])]
+    lines += ["", "Stages: " + "; ".join(f"{s['name']} {s['wall_s']:.0f} s" for s in out["stages"]) + "."]
+    paired = paired_rows(out["evals"])
+    if paired:
+        lines += ["", "Paired over the same held-out tasks (each task's solved fraction against its own; "
+                  "95% bootstrap interval over tasks, the pair resampled together):", "",
+                  "| comparison | pass@1 difference (95% CI) | tasks better / worse / same |", "|---|---|---|"]
+        lines += [f"| {name} | {d['difference']:+.3f} ({d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}) "
+                  f"| {d['better']} / {d['worse']} / {d['tasks'] - d['better'] - d['worse']} |" for name, d in paired]
+    lines += ["", target_verdict(out["evals"])]
     if not out.get("complete"):
         lines.append("The demo had not finished when this was written: the rows above are what it measured so far.")
     if out["rl_run_id"]:
@@ -638,6 +667,22 @@ def results_section(out: dict, cmd: str) -> str:
                      "shows reward and eval pass@1 over the steps.")
     lines.append("")
     return "\n".join(lines)
+
+
+PAIRS = (("after RL", "after SFT"), ("after RL", "SFT continued"), ("SFT continued", "after SFT"))
+
+
+def paired_rows(evals: dict) -> list[tuple[str, dict]]:
+    """The paired held-out comparisons (service.control.evaluation.paired_difference) of the
+    policies both evaluated with per-task figures, as ("A - B", figures)."""
+    from service.control.evaluation import paired_difference
+
+    out = []
+    for a, b in PAIRS:
+        solved_a, solved_b = ((evals.get(row) or {}).get("heldout", {}).get("solved") for row in (a, b))
+        if solved_a and solved_b and (d := paired_difference(solved_b, solved_a)) is not None:
+            out.append((f"{a} - {b}", d))
+    return out
 
 
 def target_verdict(evals: dict) -> str:

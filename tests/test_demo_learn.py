@@ -54,10 +54,13 @@ def test_demo_learn_quick_runs_every_stage(tmp_path):
         assert (held["tasks"], held["samples"], held["final"]) == (2, 4, 4), held
         assert (templ["tasks"], templ["samples"]) == (2, 2), templ
         assert 0.0 <= held["pass_at_1"] <= 1.0 and held["pass_at_1_ci"] is not None
+        # each task's solved fraction, for the paired comparisons: their mean is pass@1
+        assert len(held["solved"]) == 2 and sum(held["solved"].values()) / 2 == pytest.approx(held["pass_at_1"])
     # the section went into the results file, next to what was there
     text = results.read_text()
     assert "## other\n\nkept" in text and "## demo learn" in text and "swerve demo learn --quick --seed 3" in text
-    for row in ("| before SFT |", "| after SFT |", "| after RL |", "| SFT continued |"):
+    for row in ("| before SFT |", "| after SFT |", "| after RL |", "| SFT continued |", "| after RL - after SFT |",
+                "| after RL - SFT continued |"):
         assert row in text
     # the RL job's training run stays in the demo's database, with its versions and evaluations
     conn = sqlite3.connect(root / "swerve.db")

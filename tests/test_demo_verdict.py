@@ -99,3 +99,31 @@ def test_the_rl_job_samples_at_its_temperature_and_evaluates_at_the_evaluations(
     assert _resumable(path, replace(LearnPlan(), rl_temperature=1.0)) is not None
     kept = _resumable(path, LearnPlan())  # only an RL setting differs: the stages before RL stand
     assert kept is not None and kept["rl_job"] is None
+
+
+def test_the_section_compares_the_policies_task_by_task():
+    """With each evaluation's per-task solved fractions, the section adds the paired differences:
+    RL against SFT and against SFT continued, on the tasks both evaluated."""
+    from service.demo import paired_rows, results_section
+
+    def row(solved: dict) -> dict:
+        p = sum(solved.values()) / len(solved)
+        held = {"pass_at_1": p, "pass_at_1_ci": [p - 0.1, p + 0.1], "pass_at_k": p, "format_error_rate": 0.1,
+                "mean_turns": 3.0, "solved": solved}
+        return {"heldout": held, "heldout-templates": {"pass_at_1": 0.0}}
+
+    sft = {f"t{i}": (i % 4) / 4 for i in range(32)}
+    rl = {t: v + 0.25 if v < 0.75 else v for t, v in sft.items()}  # 24 tasks better, 8 the same
+    evals = {"after SFT": row(sft), "after RL": row(rl), "SFT continued": row(sft)}
+    names = [name for name, _ in paired_rows(evals)]
+    assert names == ["after RL - after SFT", "after RL - SFT continued", "SFT continued - after SFT"]
+    out = {"plan": {"demos": 2, "n_heldout": 32, "eval_samples": 4, "n_heldout_templates": 1,
+                    "eval_templates_samples": 1, "max_turns": 3, "max_tokens": 48},
+           "machine": {"cores": 2, "cpu": "x"}, "wall_s": 60.0, "parameters": 1e6, "pretrain": None,
+           "evals": evals, "stages": [], "rl_run_id": None}
+    text = results_section(out, "swerve demo learn")
+    gain = sum(rl.values()) / 32 - sum(sft.values()) / 32
+    assert f"| after RL - after SFT | {gain:+.3f} (" in text and "| 24 / 0 / 8 |" in text
+    assert "| SFT continued - after SFT | +0.000 (+0.000 to +0.000) | 0 / 0 / 32 |" in text
+    del evals["after SFT"]["heldout"]["solved"]  # a demo made before per-task figures: no paired rows for it
+    assert [name for name, _ in paired_rows(evals)] == ["after RL - SFT continued"]

@@ -11,7 +11,7 @@ from math import comb
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from service.store.tables import Episode, Turn
+from service.store.tables import Episode, Task, Turn
 
 Z95 = 1.959963984540054
 
@@ -47,6 +47,31 @@ def summarize(per_task: dict[object, list[float]], k: int) -> dict:
             "pass_at_1_ci": wilson(sum(solved), n),
             "pass_at_k": sum(pass_at_k(len(rs), c, k) for c, rs in zip(solved, tasks)) / len(tasks),
             "k": k, "tasks": len(tasks), "samples": n}
+
+
+def paired_difference(before: dict[object, float], after: dict[object, float], *, resamples: int = 10_000,
+                      seed: int = 0) -> dict | None:  # fmt: skip
+    """after - before in pass@1 over the tasks both evaluated (each task's solved fraction), with
+    a 95% percentile-bootstrap interval that resamples tasks, keeping each task's pair together:
+    the tasks' own difficulty cancels out of the difference, so the interval is the one a
+    comparison of two policies on the same tasks needs (two separate intervals overlap long after
+    the difference is clear). None without a task in common."""
+    import numpy as np
+
+    tasks = sorted((t for t in before if t in after), key=str)
+    if not tasks:
+        return None
+    diff = np.array([after[t] - before[t] for t in tasks], dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(diff), size=(resamples, len(diff)))
+    means = diff[picks].mean(axis=1)
+    low, high = np.quantile(means, [0.025, 0.975])
+    return {"difference": float(diff.mean()), "ci": (float(low), float(high)), "tasks": len(tasks),
+            "better": int((diff > 0).sum()), "worse": int((diff < 0).sum())}
+
+
+def solved_fractions(per_task: dict[object, list[float]]) -> dict[object, float]:
+    """Each task's solved fraction of its graded samples (tasks without one left out)."""
+    return {t: sum(1 for r in rs if r >= 1.0) / len(rs) for t, rs in per_task.items() if rs}
 
 
 async def eval_results(session: AsyncSession, runs: dict[uuid.UUID, int]) -> dict[uuid.UUID, dict]:
@@ -92,3 +117,14 @@ async def eval_results(session: AsyncSession, runs: dict[uuid.UUID, int]) -> dic
             "versions_sampled": c["versions"] if c["versions"][0] is not None else None,
         }  # fmt: skip
     return out
+
+
+async def task_rewards(session: AsyncSession, run_id: uuid.UUID) -> dict[str, list[float]]:
+    """A run's graded rewards by task instance id (what paired_difference compares across runs)."""
+    rows = (await session.execute(sa.select(Task.instance_id, Episode.reward).join(Task, Task.id == Episode.task_id)
+                                  .where(Episode.run_id == run_id, Episode.reward.is_not(None)))).all()
+    out: dict[str, list[float]] = {}
+    for instance_id, reward in rows:
+        out.setdefault(instance_id, []).append(float(reward))
+    return out
+
