@@ -90,11 +90,15 @@ async def newest_version(conn: AsyncConnection) -> int | None:
     return await conn.scalar(sa.select(sa.func.max(Policy.version)))
 
 
+def ending_version(steps: int, stopped_at: int | None) -> int:
+    """The version that ends a training run: `steps`, or the one its trainer stopped at early
+    (runs.last_version: the job's time limit)."""
+    return steps if stopped_at is None else min(stopped_at, steps)
+
+
 async def last_version(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig) -> int:
-    """The version that ends the training run: `training.steps`, or the one its trainer stopped
-    at early (the job's time limit)."""
-    early = await conn.scalar(sa.select(Run.last_version).where(Run.id == run_id))
-    return cfg.training.steps if early is None else min(early, cfg.training.steps)
+    """ending_version of the run, read from the database."""
+    return ending_version(cfg.training.steps, await conn.scalar(sa.select(Run.last_version).where(Run.id == run_id)))
 
 
 async def start_evaluation(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int | None,
@@ -128,10 +132,11 @@ async def cancel_stale_evaluations(conn: AsyncConnection, run_id: uuid.UUID, ver
         await Buffer.request_cancel(conn, eval_id)
 
 
-async def evaluation_pending(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int) -> bool:
-    """Whether the evaluation of `version` (when due one) has yet to end."""
+async def evaluation_pending(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version: int,
+                             last: int) -> bool:  # fmt: skip
+    """Whether the evaluation of `version` (when due one; `last` ends the run) has yet to end."""
     ev = cfg.training.eval
-    if ev is None or not eval_due(version, ev.every, await last_version(conn, run_id, cfg)):
+    if ev is None or not eval_due(version, ev.every, last):
         return False
     status = await Buffer.evaluation_status(conn, run_id, version)
     return status is None or status in RUN_ACTIVE
@@ -144,14 +149,15 @@ async def done(conn: AsyncConnection, run_id: uuid.UUID, cfg: RunConfig, version
     newest version's evaluation, when due, is over."""
     if version is None:
         return False
-    if version < await last_version(conn, run_id, cfg):
+    last = await last_version(conn, run_id, cfg)
+    if version < last:
         exhausted = await conn.scalar(sa.select(Run.exhausted_at).where(Run.id == run_id)) is not None
         all_final = sum(counts.values()) == sum(counts.get(s, 0) for s in EPISODE_FINAL)
         waiting = await conn.scalar(sa.select(sa.func.count()).select_from(Group).where(
             Group.run_id == run_id, Group.status.in_(("pending", "ready", "claimed"))))
         if not (exhausted and all_final and waiting == 0):
             return False
-    return not await evaluation_pending(conn, run_id, cfg, version)
+    return not await evaluation_pending(conn, run_id, cfg, version, last)
 
 
 async def stop_sampling(conn: AsyncConnection, run_id: uuid.UUID) -> list[uuid.UUID]:

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.control.evaluation import eval_results
 from service.control.redaction import Answers, is_oracle
+from service.control.training import ending_version
 from service.store.records import decode_array
 from service.store.status import EPISODE_FINAL
 from service.store.tables import Episode, Group, Policy, Run, Task, Turn
@@ -252,9 +253,8 @@ async def training(session: AsyncSession, run: Run) -> dict | None:
     groups = dict((await session.execute(sa.select(Group.status, sa.func.count()).where(Group.run_id == run.id)
                                          .group_by(Group.status))).all())
     epoch = await session.scalar(sa.select(sa.func.max(Group.epoch)).where(Group.run_id == run.id))
-    last = cfg.get("steps") if run.last_version is None else min(run.last_version, cfg.get("steps"))
-    return {"step": steps[-1]["version"] if steps else 0, "last_step": last, "stopped_early": run.last_version is not None,
-            "epoch": epoch,
+    return {"step": steps[-1]["version"] if steps else 0, "last_step": ending_version(cfg.get("steps"), run.last_version),
+            "stopped_early": run.last_version is not None, "epoch": epoch,
             "epochs": cfg.get("epochs"), "exhausted": run.exhausted_at is not None, "groups": groups,
             "filtered": groups.get("skipped", 0), "dropped": groups.get("dropped", 0),
             "steps_per_hour": len(steps) / hours if hours else None, "steps": steps,
