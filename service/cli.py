@@ -372,13 +372,13 @@ def worker(
         typer.secho("SWERVE_BROKER_URL is memory:// (embedded): a separate worker cannot reach "
                     "it; set a redis:// broker URL", fg="red", err=True)
         raise typer.Exit(2)
-    from service.worker.app import app as celery
+    from service.worker.app import QUEUE, app as celery
 
     from service.worker.runtime import runtime
 
     runtime(settings)  # the loop every episode of this process runs on
     celery.worker_main(["worker", "--pool=threads", f"--concurrency={concurrency}", f"--loglevel={loglevel}",
-                        "--queues=swerve", "--hostname=swerve@%h"])
+                        f"--queues={QUEUE}", "--hostname=swerve@%h"])
 
 
 @db_app.command("upgrade")

@@ -9,7 +9,9 @@ import uuid
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
 
+from service.control import views
 from service.control.orchestrator import _tick
 from service.control.runs import RunError, create_run
 from service.control.schedule import epoch_order
@@ -157,6 +159,35 @@ async def test_the_run_ends_once_the_last_version_is_published_and_evaluated(eng
     async with engine.connect() as conn:
         left = (await conn.execute(sa.select(Episode.status).where(Episode.run_id == run_id))).scalars().all()
     assert left and set(left) == {"cancelled"}  # queued ones never ran; a worker would see the run end
+
+
+async def test_groups_left_when_the_run_ends_are_dropped_and_no_trainer_takes_them(engine):
+    suite_id = await make_suite(engine, 3)
+    cfg = RunConfig.model_validate({"suite_id": suite_id, "sampler": VLLM, "samples_per_task": 2, "concurrency": 4,
+                                    "max_off_policy_steps": 1, "groups_per_step": 1,
+                                    "training": {"steps": 1, "seed": 5}})
+    run_id = await create_run(engine, cfg)
+    await _tick(engine, run_id, cfg, [].append, "o", 15.0, fleet_version=0, kind="train")
+    first, second = [g.id for g in await groups(engine, run_id)][:2]
+    await finish_group(engine, first, [1.0, 0.0])  # sampled ahead: ready, never trained on
+    async with engine.begin() as conn:  # the other still being sampled when the run ends
+        await conn.execute(sa.update(Episode).where(Episode.group_id == second).values(status="running"))
+    assert {g.status for g in await groups(engine, run_id)} == {"ready", "pending"}
+    await publish(engine, 0)
+    await publish(engine, 1)
+    assert await _tick(engine, run_id, cfg, [].append, "o", 15.0, fleet_version=1, kind="train") == "finished"
+    left = await groups(engine, run_id)
+    assert {(g.status, g.dropped_reason) for g in left} == {("dropped", "the training run finished")}
+    assert (await Buffer(engine).claim(10, trainer_step=0, max_staleness=10)).group_ids == []
+    async with engine.connect() as conn:  # its running episodes end after the run: the group stays dropped
+        running = (await conn.execute(sa.select(Episode.id).where(Episode.group_id == second))).scalars().all()
+    for episode_id in running:
+        await Buffer(engine).finish_episode(episode_id, status="submitted", reward=1.0, policy_version_min=1)
+    assert {g.status for g in await groups(engine, run_id)} == {"dropped"}
+    assert (await Buffer(engine).claim(10, trainer_step=0, max_staleness=10)).group_ids == []
+    async with AsyncSession(engine) as session:  # not counted as stale
+        view = await views.training(session, await session.get(Run, run_id))
+    assert (view["dropped"], view["left_at_end"]) == (0, len(left))
 
 
 async def test_a_schedule_smaller_than_a_step_is_refused(engine):

@@ -1,4 +1,5 @@
-"""A real Celery worker process on the real Redis broker answers and runs tasks."""
+"""A real Celery worker process on the real Redis broker answers and runs tasks; apps on the
+in-process broker keep their tasks to themselves."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import pytest
 import redis
 
-from service.worker.app import make_celery
+from service.worker.app import QUEUE, episode_sender, make_celery, prediction_sender
 from service.config import load_settings
 from tests.conftest import clean_env, missing_service
 
@@ -45,3 +46,18 @@ def test_worker_answers_ping_and_runs_tasks(broker_url, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_apps_on_the_memory_broker_each_have_their_own_queue():
+    # kombu's memory transport keeps one set of queues per process: with one queue for all, a
+    # worker an earlier app left running took a later app's episodes and looked them up in its
+    # own database ("no such table: episodes"), and they stayed queued
+    first, second = (make_celery(load_settings(broker_url="memory://")) for _ in range(2))
+    assert first.conf.task_default_queue != second.conf.task_default_queue
+    episode_sender(second)("an episode id")
+    prediction_sender(second)("an evaluation id", "an instance", 0)
+    with second.connection_for_read() as conn:
+        assert conn.SimpleQueue(first.conf.task_default_queue).qsize() == 0
+        assert conn.SimpleQueue(second.conf.task_default_queue).qsize() == 2
+    # workers on a shared broker take the one queue `swerve worker` consumes
+    assert make_celery(load_settings(broker_url=BROKER)).conf.task_default_queue == QUEUE

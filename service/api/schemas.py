@@ -322,6 +322,9 @@ class TrainingPublic(BaseModel):
     """The run's groups by status."""
     filtered: int
     dropped: int
+    """Groups dropped too stale to train on."""
+    left_at_end: int = 0
+    """Groups sampled ahead, or still being sampled, when the run ended: dropped untrained."""
     steps_per_hour: float | None
     steps: list[StepPublic]
     evals: list[EvalPublic]

@@ -191,6 +191,8 @@ async def _tick(engine: AsyncEngine, run_id: uuid.UUID, cfg: RunConfig, submit: 
         return None  # wait for running episodes to end
     async with engine.begin() as conn:
         await Buffer.finish_run(conn, run_id, final, error=failing)
+        if kind == "train":
+            await Buffer.drop_unclaimed(conn, run_id, final)
         for child in (await conn.execute(sa.select(Run.id).where(Run.parent_id == run_id))).scalars():
             await Buffer.request_cancel(conn, child)  # a training run's evaluations end with it
     return final

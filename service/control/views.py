@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from service.control.evaluation import eval_results
 from service.control.redaction import Answers, is_oracle
 from service.control.training import ending_version
+from service.store.buffer import LEFT_AT_END
 from service.store.records import decode_array
 from service.store.status import EPISODE_FINAL
 from service.store.tables import Episode, Group, Policy, Run, Task, Turn
@@ -252,11 +253,14 @@ async def training(session: AsyncSession, run: Run) -> dict | None:
     hours = (steps[-1]["created_at"] - started).total_seconds() / 3600 if steps and started else None
     groups = dict((await session.execute(sa.select(Group.status, sa.func.count()).where(Group.run_id == run.id)
                                          .group_by(Group.status))).all())
+    left = await session.scalar(sa.select(sa.func.count()).select_from(Group).where(
+        Group.run_id == run.id, Group.status == "dropped", Group.dropped_reason.like(LEFT_AT_END.format("%"))))
     epoch = await session.scalar(sa.select(sa.func.max(Group.epoch)).where(Group.run_id == run.id))
     return {"step": steps[-1]["version"] if steps else 0, "last_step": ending_version(cfg.get("steps"), run.last_version),
             "stopped_early": run.last_version is not None, "epoch": epoch,
             "epochs": cfg.get("epochs"), "exhausted": run.exhausted_at is not None, "groups": groups,
-            "filtered": groups.get("skipped", 0), "dropped": groups.get("dropped", 0),
+            "filtered": groups.get("skipped", 0), "dropped": groups.get("dropped", 0) - left,
+            "left_at_end": left,
             "steps_per_hour": len(steps) / hours if hours else None, "steps": steps,
             "evals": await evaluations(session, sa.and_(Run.parent_id == run.id, Run.kind == "eval"))}
 

@@ -86,6 +86,8 @@ def _refusals(what: str) -> Iterator[None]:
         raise StorageError(f"the database refused {what}: {type(e.orig).__name__}: {reason}") from e
 
 
+LEFT_AT_END = "the training run {}"
+"""The reason of a group dropped because its training run ended (finished, cancelled, failed)."""
 GIVEN_BACK = {"status": "ready", "claim_id": None, "claim_expires_at": None, "claimed_by": None}
 """A group given back to the buffer (released, its owner gone, or un-consumed by a rewind)."""
 
@@ -487,6 +489,15 @@ class Buffer:
         nobody owns it any more."""
         await conn.execute(sa.update(Run).where(Run.id == run_id).values(
             status=status, finished_at=utcnow(), owner=None, gate=None, error=error))
+
+    @staticmethod
+    async def drop_unclaimed(conn: AsyncConnection, run_id: uuid.UUID, final: str) -> None:
+        """A training run ended: its groups no trainer will train on (sampled ahead of the last
+        version, or still being sampled) are dropped, so that a trainer claiming from every run
+        never takes them, nor their episodes that end later."""
+        await conn.execute(sa.update(Group).where(
+            Group.run_id == run_id, Group.status.in_(("pending", "ready", "claimed"))).values(
+            status="dropped", dropped_reason=LEFT_AT_END.format(final), claim_id=None, claim_expires_at=None, claimed_by=None))
 
     async def release_runs(self, owner: str) -> None:
         """Give up every run `owner` holds (a clean shutdown: others take them over at once)."""

@@ -6,12 +6,16 @@ Tasks carry ids only; trajectories go straight to the database, never through th
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 
 from celery import Celery
 from kombu.transport import redis as kombu_redis
 
 from service.config import Settings, get_settings
+
+QUEUE = "swerve"
+"""The workers' queue on a shared broker (`swerve worker --queues=swerve`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,10 @@ class RedisTransport(kombu_redis.Transport):
 def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     app = Celery("swerve", broker=settings.broker_url, include=["service.worker.tasks"])
+    # kombu's memory transport keeps one set of queues per process, whatever the connection, so
+    # every app on memory:// gets a queue of its own: a worker an earlier app left behind (a
+    # test's, an earlier stage of a demo, on another database) never takes this app's tasks
+    queue = f"{QUEUE}-{uuid.uuid4().hex[:12]}" if settings.broker_url.startswith("memory://") else QUEUE
     if settings.broker_url.startswith(("redis://", "rediss://")):
         app.conf.broker_transport = "service.worker.app:RedisTransport"
     app.conf.update(
@@ -64,7 +72,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
         task_ignore_result=True,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 6 * 3600},
-        task_default_queue="swerve",
+        task_default_queue=queue,
         worker_hijack_root_logger=False,
     )
     return app
@@ -77,7 +85,7 @@ def episode_sender(celery: Celery) -> Callable[[str], None]:
     """What the orchestrator calls to hand an episode id to the workers (the `swerve.episode` task)."""
 
     def send(episode_id: str) -> None:
-        celery.send_task("swerve.episode", args=[episode_id], queue="swerve")
+        celery.send_task("swerve.episode", args=[episode_id], queue=celery.conf.task_default_queue)
 
     return send
 
@@ -87,6 +95,7 @@ def prediction_sender(celery: Celery) -> Callable[[str, str, int], None]:
     """What an evaluation's owner calls to hand a prediction to the workers."""
 
     def send(evaluation_id: str, instance_id: str, attempt: int) -> None:
-        celery.send_task("swerve.grade_prediction", args=[evaluation_id, instance_id, attempt], queue="swerve")
+        celery.send_task("swerve.grade_prediction", args=[evaluation_id, instance_id, attempt],
+                         queue=celery.conf.task_default_queue)
 
     return send

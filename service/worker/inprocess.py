@@ -28,7 +28,8 @@ class InProcessWorker:
             def on_consumer_ready(self, consumer) -> None:
                 started.set()
 
-        self.worker = Controller(app=celery, concurrency=concurrency, pool="threads", queues=["swerve"],
+        self.worker = Controller(app=celery, concurrency=concurrency, pool="threads",
+                                 queues=[celery.conf.task_default_queue],
                                  hostname=f"embedded-{uuid.uuid4().hex[:6]}@localhost", loglevel="WARNING",
                                  without_heartbeat=True, without_mingle=True, without_gossip=True)
         self.thread = threading.Thread(target=self.worker.start, name="celery-embedded", daemon=True)
