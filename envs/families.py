@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import functools
 import json
 import keyword
 import os
@@ -27,6 +28,8 @@ from typing import Any
 from envs.log_parsers import PARSERS
 
 SPLITS = ("train", "heldout", "heldout-templates")
+NAMES = ("pools", "generated", "words")
+"""How train tasks are named: the split's pools, made-up words (GENERATED), a word list (LISTED)."""
 ORG = "swerve-gen"
 GIT_ENV = {"GIT_AUTHOR_NAME": "swerve", "GIT_AUTHOR_EMAIL": "swerve@example.invalid",
            "GIT_COMMITTER_NAME": "swerve", "GIT_COMMITTER_EMAIL": "swerve@example.invalid",
@@ -60,7 +63,7 @@ class Draft:
 @dataclass(frozen=True)
 class Family:
     draw: Callable[..., list[Draft]]
-    """(rng, n, split, distractors, [names="generated"]) -> n distinct drafts."""
+    """(rng, n, split, distractors, [names="generated" or "words"]) -> n distinct drafts."""
     test_cmd: str
     log_parser: str
     distractors: int = 1
@@ -312,6 +315,24 @@ _SYLLABLES = (("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", 
               ("a", "e", "i", "o", "u"), ("", "", "n", "r", "l", "s", "x"))
 
 
+LISTED = 3
+"""The group of a train split named from a word list (`names="words"`, envs/words.txt): real
+words, as the held-out pools are, but 3000 of them, so a name is rarely seen twice; a policy
+trained on made-up names alone copied them and broke on dictionary words (bench/demo_gap.py:
+0.18 on made-up train names, 0.01 on train-pool words, 0.05 held-out). None is a held-out name
+or a part of one."""
+WORD_LIST = Path(__file__).with_name("words.txt")
+
+
+@functools.cache
+def _listed_words() -> tuple[str, ...]:
+    words = tuple(w for w in WORD_LIST.read_text().split("\n") if w and not w.startswith("#"))
+    parts = {part for name in _HELDOUT_NAMES for part in (name, *name.split("_"))}
+    if clash := sorted(set(words) & parts):
+        raise GenerationError(f"{WORD_LIST}: held-out names in the train word list: {', '.join(clash[:5])}")
+    return words
+
+
 def _heldout_names() -> frozenset[str]:
     pools = [PACKAGES, MODULES, WORDS, *ARGS.values(), *(t.names for t in TEMPLATES + HELDOUT_TEMPLATES),
              *(h.names for h in HELPERS)]
@@ -330,9 +351,13 @@ _HELDOUT_NAMES = _heldout_names()
 
 
 def _pick(rng: random.Random, pool: Pool, group: int) -> str:
-    """A name of `pool` for `group` (0 train, 1 held-out), or a made-up one (GENERATED)."""
+    """A name of `pool` for `group` (0 train, 1 held-out), a made-up one (GENERATED), or one or
+    two words of the word list (LISTED)."""
     if group == GENERATED:
         return _made_up(rng, rng.choice((2, 2, 3)))
+    if group == LISTED:
+        words = _listed_words()
+        return rng.choice(words) if rng.random() < 0.6 else f"{rng.choice(words)}_{rng.choice(words)}"
     return rng.choice(pool[group])
 
 
@@ -388,7 +413,7 @@ def _load(source: str) -> dict:
 def _module(rng: random.Random, t: Template, group: int, distractors: int):
     """(correct module, buggy module, the target's substitutions, [(helper, its substitutions)]),
     or None when the bug's line is not unique."""
-    consts = t.consts[0 if group == GENERATED else group]
+    consts = t.consts[0 if group in (GENERATED, LISTED) else group]
     const = rng.choice(consts) if consts else None
     target, subs = _fill(t.source, t.names, group, rng, const, target=True)
     fixed, buggy = t.fixed.format_map(subs), t.buggy.format_map(subs)
@@ -442,7 +467,7 @@ def _verb(outcome: tuple[str, str], returns: str, raises: str) -> str:
 
 
 def draw_pyfix(rng: random.Random, n: int, split: str, distractors: int, names: str = "pools") -> list[Draft]:
-    group = (GENERATED if names == "generated" else 0) if split == "train" else 1
+    group = {"generated": GENERATED, "words": LISTED}.get(names, 0) if split == "train" else 1
     templates = HELDOUT_TEMPLATES if split == "heldout-templates" else TEMPLATES
     drafts, seen, order = [], set(), []
     while len(drafts) < n:
@@ -530,16 +555,17 @@ def generate(family: str, n: int, seed: int, split: str, out: Path, *, bundles_d
              names: str = "pools") -> list[dict]:
     """Write `out` (JSONL) and one bundle per task into `bundles_dir` (default: out's folder's
     `bundles`); return the rows. `progress(done, n)` is called after each task. names: "pools"
-    (the split's name pools) or "generated" (train only: every name made up, see GENERATED).
+    (the split's name pools), "generated" (train only: every name made up, see GENERATED) or
+    "words" (train only: names from a word list, see LISTED).
     Raises ValueError for bad arguments, GenerationError for a bad task."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    if names not in ("pools", "generated"):
-        raise ValueError(f"names must be pools or generated, got {names!r}")
-    if names == "generated" and split != "train":
-        raise ValueError(f"names=generated is for the train split (held-out splits keep their pools), got {split!r}")
+    if names not in NAMES:
+        raise ValueError(f"names must be one of {', '.join(NAMES)}, got {names!r}")
+    if names != "pools" and split != "train":
+        raise ValueError(f"names={names} is for the train split (held-out splits keep their pools), got {split!r}")
     fam = FAMILIES[family]
     distractors = fam.distractors if distractors is None else distractors
     if not 0 <= distractors <= fam.max_distractors:
@@ -548,10 +574,10 @@ def generate(family: str, n: int, seed: int, split: str, out: Path, *, bundles_d
         raise ValueError(f"n must be at least 1, got {n}")
     bundles_dir = bundles_dir or out.parent / "bundles"
     bundles_dir.mkdir(parents=True, exist_ok=True)
-    made_up = names == "generated"
-    drafts = fam.draw(random.Random(f"{family}:{split}:{seed}:{distractors}" + (":generated" if made_up else "")),
-                      n, split, distractors, **({"names": names} if made_up else {}))
-    label = f"{split}-gen" if made_up else split
+    own = names != "pools"
+    drafts = fam.draw(random.Random(f"{family}:{split}:{seed}:{distractors}" + (f":{names}" if own else "")),
+                      n, split, distractors, **({"names": names} if own else {}))
+    label = {"pools": split, "generated": f"{split}-gen", "words": f"{split}-words"}[names]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, d in enumerate(drafts):

@@ -570,7 +570,9 @@ def suite_generate(
     distractors: Annotated[int | None, typer.Option(min=0, help="Other functions beside the buggy one "
                                                     "(difficulty; default: the family's).")] = None,
     names: Annotated[str, typer.Option(help="pools: the split's name pools; generated (train only): every "
-                                            "name made up, so a policy must copy names, not recall them.")] = "pools",
+                                            "name made up, so a policy must copy names, not recall them; "
+                                            "words (train only): names from a list of 3000 words, none held "
+                                            "out.")] = "pools",
 ) -> None:
     """Generate a suite of small SWE tasks, one git bundle per task, tests measured on this host."""
     from envs.families import GenerationError, generate

@@ -70,7 +70,7 @@ def test_the_installed_package_carries_its_migrations_and_example_suite(tmp_path
     bundles = {f"envs/example_suite/bundles/{p.name}" for p in (ROOT / "envs/example_suite/bundles").iterdir()}
     assert bundles and bundles <= names
     assert {"envs/example_suite/suite.jsonl", "envs/example_suite/rl.toml", "service/ui/templates/base.html",
-            "service/fleet/assets/tokenizer_corpus.txt"} <= names
+            "service/fleet/assets/tokenizer_corpus.txt", "envs/words.txt"} <= names
 
 
 @pytest.mark.parametrize(("profile", "service"), [("gpu", "vllm"), ("cpu", "vllm-cpu")])

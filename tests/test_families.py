@@ -143,6 +143,29 @@ def test_generated_train_names_are_made_up_and_never_held_out(tmp_path, suites):
         generate("pyfix", 1, 3, "heldout", tmp_path / "x.jsonl", names="generated")
 
 
+def test_word_list_train_names_are_words_and_never_held_out(tmp_path, suites):
+    """names="words": every name of a train task is a word of envs/words.txt or two joined by _
+    (real words, as held-out names are, but none of them or a part of one), and the same
+    arguments give the same bytes."""
+    path = tmp_path / "words" / "train.jsonl"
+    rows = generate("pyfix", N, 3, "train", path, names="words")
+    assert generate("pyfix", N, 3, "train", tmp_path / "again" / "train.jsonl", names="words") == rows
+    assert all("-train-words-3-" in r["instance_id"] for r in rows)
+    listed = set(families._listed_words())
+    assert len(listed) == 3000
+    names = {name for row in rows for name in names_in(path, row, tmp_path / "w")}
+    heldout = {name for row in suites["heldout"][1] for name in names_in(suites["heldout"][0], row, tmp_path / "h")}
+    heldout_parts = {part for name in families._HELDOUT_NAMES for part in (name, *name.split("_"))}
+    # the target function may carry a word of the word list after its own (see _fill)
+    assert names and not names & heldout
+    assert all(set(name.split("_")) <= listed and not set(name.split("_")) & heldout_parts for name in names), names
+    packages = {module_path(r).split("/")[0] for r in rows}
+    assert all(any(set(p.removesuffix(s).split("_")) <= listed for s in ("", *families.SUFFIXES))
+               for p in packages), packages  # words, or words and a suffix
+    with pytest.raises(ValueError, match="names=words is for the train split"):
+        generate("pyfix", 1, 3, "heldout", tmp_path / "x.jsonl", names="words")
+
+
 def test_heldout_templates_are_templates_train_never_uses(suites):
     shared, new = {t.name for t in families.TEMPLATES}, {t.name for t in families.HELDOUT_TEMPLATES}
     assert len(shared) >= 12 and len(new) >= 4 and not shared & new
