@@ -97,12 +97,27 @@ async def test_endpoints_must_be_http_to_an_allowed_host(client, models, endpoin
 
 async def test_loopback_endpoints_and_any_model_folder_in_local_mode(db_url, models, tmp_path):
     elsewhere = init_tiny(tmp_path / "mine")
-    async with client_for(make_settings(db_url, api_token=None, models_dir=models, endpoint_hosts="")) as c:
+    async with client_for(make_settings(db_url, api_token=None, models_dir=models, endpoint_hosts="",
+                                          model_roots="")) as c:
         config = {"suite_id": await suite_id(c), "sampler": vllm(elsewhere, "http://127.0.0.1:8100")}
         assert (await c.post("/api/v1/runs", json=config)).status_code == 201
         config["sampler"]["endpoints"] = ["http://10.1.2.3:8100"]
         r = await c.post("/api/v1/runs", json=config)
         assert r.status_code == 422 and "SWERVE_ENDPOINT_HOSTS" in r.json()["detail"], r.text
+
+
+async def test_model_roots_bind_local_mode_too_once_set(db_url, models, tmp_path):
+    """Local mode takes a tokenizer from any folder unless the operator named model roots, as
+    it does task sources: then the roots bind there as with a token."""
+    outside, inside = init_tiny(tmp_path / "outside"), init_tiny(tmp_path / "roots" / "mine")
+    settings = make_settings(db_url, api_token=None, models_dir=models, endpoint_hosts="",
+                             model_roots=str(tmp_path / "roots"))
+    async with client_for(settings) as c:
+        sid = await suite_id(c)
+        for tokenizer, code in [(inside, 201), (models / "tiny", 201), (outside, 422)]:
+            r = await c.post("/api/v1/runs", json={"suite_id": sid, "sampler": vllm(tokenizer, "http://127.0.0.1:1")})
+            assert r.status_code == code, (tokenizer, r.text)
+        assert "not under a model folder" in r.json()["detail"] and "SWERVE_MODEL_ROOTS" in r.json()["detail"], r.text
 
 
 async def test_tokenizers_only_from_model_folders(client, models, tmp_path):

@@ -54,10 +54,10 @@ def _tokenizer(cfg: RunConfig, settings: Settings) -> list[str]:
         return [f"sampler.tokenizer: {path} is not a folder (give the model folder the servers serve)"]
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return [f"sampler.tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"]
-    if settings.local_mode:
+    roots = settings.model_root_list
+    if roots is None:
         return []
     real = Path(os.path.realpath(path))
-    roots = settings.model_root_list
     if not any(real.is_relative_to(os.path.realpath(root)) for root in roots):
         return [f"sampler.tokenizer: {path} is not under a model folder of this service "
                 f"({', '.join(map(str, roots))}; SWERVE_MODEL_ROOTS adds folders)"]
