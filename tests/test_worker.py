@@ -61,3 +61,35 @@ def test_apps_on_the_memory_broker_each_have_their_own_queue():
         assert conn.SimpleQueue(second.conf.task_default_queue).qsize() == 2
     # workers on a shared broker take the one queue `swerve worker` consumes
     assert make_celery(load_settings(broker_url=BROKER)).conf.task_default_queue == QUEUE
+
+
+async def test_a_database_without_our_tables_fails_an_episode_at_once_a_locked_one_is_waited_for(tmp_path):
+    """An episode message for a database without swerve's tables (another service's, or one not
+    migrated: SQLite calls it an OperationalError, as it does a lock) ends at once instead of
+    retrying for db_retry's 300 s; a locked database is still waited for."""
+    import sqlite3
+    import uuid
+
+    from sqlalchemy.exc import OperationalError
+
+    from service.store.db import make_async_engine
+    from service.worker.executor import _start, db_retry
+
+    engine = make_async_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match="no such table"):
+            await db_retry(lambda: _start(engine, uuid.uuid4()), "the start of an episode")
+        assert time.monotonic() - started < 5
+    finally:
+        await engine.dispose()
+
+    tries = []
+
+    async def locked_twice():
+        tries.append(1)
+        if len(tries) < 3:
+            raise OperationalError("INSERT INTO turns", {}, sqlite3.OperationalError("database is locked"))
+        return "stored"
+
+    assert await db_retry(locked_twice, "a turn") == "stored" and len(tries) == 3

@@ -43,15 +43,26 @@ class DbTurnSink:
                        f"turn {turn.idx} of episode {self.episode_id}")
 
 
+_SCHEMA_ERRORS = ("no such table", "no such column", "has no column named")
+"""SQLite files these as OperationalError, as it does a locked database; no wait mends them (a
+database without swerve's tables: another service's, or not migrated), PostgreSQL raises them as
+ProgrammingError."""
+
+
+def _transient(e: Exception) -> bool:
+    return not any(text in str(getattr(e, "orig", e)) for text in _SCHEMA_ERRORS)
+
+
 async def db_retry(make, what: str, budget_s: float = 300.0):
-    """Await make() again while the database is unreachable (a restart, a failover), up to
-    budget_s; an episode outlives a database blip instead of being thrown away."""
+    """Await make() again while the database is unreachable (a restart, a failover) or locked,
+    up to budget_s; an episode outlives a database blip instead of being thrown away. A missing
+    table or column is raised at once."""
     delay, deadline = 0.25, time.monotonic() + budget_s
     while True:
         try:
             return await make()
         except (OperationalError, InterfaceError, PoolTimeout) as e:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not _transient(e):
                 raise
             logger.warning("database unavailable writing %s (%s); retrying in %.1f s", what,
                            str(e).splitlines()[0][:200], delay)
