@@ -88,7 +88,9 @@ async def ours(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float
         groups = await buffer.load(claim)
         read = time.perf_counter() - start
         assert sum(len(e.turns) for g in groups for e in g.episodes) == sum(len(t) for t in episodes)
-        BEFORE["read"] = await _read_as_before(buffer, claim.group_ids, sum(len(t) for t in episodes))
+        n_turns = sum(len(t) for t in episodes)
+        BEFORE["read"] = await _read_as_before(buffer, claim.group_ids, n_turns, _per_episode)
+        BEFORE["copy rows"] = await _read_as_before(buffer, claim.group_ids, n_turns, _copy_rows)
         return written, read
     finally:
         await engine.dispose()
@@ -97,23 +99,41 @@ async def ours(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float
 BEFORE: dict[str, float] = {}
 
 
-async def _read_as_before(buffer: Buffer, group_ids, n_turns: int) -> float:
-    """The same groups loaded as the buffer did before 2026-12-02: a prepared binary SELECT per
-    episode (the figure beside today's, from the same run)."""
+async def _per_episode(conn, episode_ids):
+    """Reads as before 2026-12-02: a prepared binary SELECT per episode."""
     from service.store import buffer as module
 
-    async def per_episode(conn, episode_ids):
-        raw = (await conn.get_raw_connection()).driver_connection
-        columns = ", ".join(c.name for c in module._TURN_COLUMNS) + f", {module._PG_CALLED}"
-        out = []
-        async with raw.cursor(binary=True) as cur:
-            for episode_id in episode_ids:
-                await cur.execute(f"SELECT {columns} FROM turns WHERE episode_id = %s ORDER BY idx", (episode_id,),
-                                  prepare=True)
-                out += await cur.fetchall()
-        return out
+    raw = (await conn.get_raw_connection()).driver_connection
+    columns = ", ".join(c.name for c in module._TURN_COLUMNS) + f", {module._PG_CALLED}"
+    out = []
+    async with raw.cursor(binary=True) as cur:
+        for episode_id in episode_ids:
+            await cur.execute(f"SELECT {columns} FROM turns WHERE episode_id = %s ORDER BY idx", (episode_id,),
+                              prepare=True)
+            out += await cur.fetchall()
+    return out
 
-    today, module._fetch_turns = module._fetch_turns, per_episode
+
+async def _copy_rows(conn, episode_ids):
+    """Reads as before 2026-12-04: the same binary COPY, its rows built by psycopg (a bytes
+    object per field, a UUID per row)."""
+    from service.store import buffer as module
+
+    raw = (await conn.get_raw_connection()).driver_connection
+    out = []
+    async with raw.cursor() as cur:
+        async with cur.copy(module._PG_FETCH, (list(episode_ids),)) as copy:
+            copy.set_types(["uuid", "int4", "int4", "bytea", "bytea", "bytea", "bytea", "int4", "bool"])
+            async for row in copy.rows():
+                out.append(row)
+    return out
+
+
+async def _read_as_before(buffer: Buffer, group_ids, n_turns: int, fetch) -> float:
+    """The same groups loaded with an earlier read path (the figure beside today's, same run)."""
+    from service.store import buffer as module
+
+    today, module._fetch_turns = module._fetch_turns, fetch
     try:
         start = time.perf_counter()
         groups = await buffer.load_groups(group_ids)
@@ -213,6 +233,8 @@ async def main() -> None:
     print(f"swerve vs COPY: in {copy_w / ours_w:.2f}x, out {copy_r / ours_r:.2f}x of the ceiling")
     print(f"reads as before (a SELECT per episode): {tokens / BEFORE['read']:.0f} tok/s, "
           f"{copy_r / BEFORE['read']:.2f}x of the ceiling")
+    print(f"reads as before (psycopg's rows of the COPY): {tokens / BEFORE['copy rows']:.0f} tok/s, "
+          f"{copy_r / BEFORE['copy rows']:.2f}x of the ceiling")
 
 
 if __name__ == "__main__":

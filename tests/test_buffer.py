@@ -181,6 +181,56 @@ async def test_concurrent_claimers_never_share_a_group(migrated_pg_url):
         await engine.dispose()
 
 
+async def test_the_turns_copy_stream_parses_the_same_however_it_is_cut(migrated_pg_url):
+    """The PostgreSQL read path parses the binary COPY itself, row by row as it streams: the
+    same rows whatever the chunk boundaries (psycopg hands one message per row; a row split
+    across chunks, or the header alone, must parse the same), and a stream cut short is an error,
+    never fewer turns."""
+    import psycopg
+
+    from service.store.buffer import _PG_FETCH, StorageError, _CopyRows, _fetch_turns
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url)
+    try:
+        buffer = Buffer(engine)
+        [(_, episodes)] = await make_groups(engine, 1, size=2)
+        rng = np.random.default_rng(3)
+        for e in episodes:
+            for idx in range(3):
+                await buffer.append_turn(e, TurnRecord(
+                    idx=idx, segment=idx, input_ids=rng.integers(0, 9, 40).tolist(), output_ids=[idx, 7],
+                    output_logprobs=None if idx == 1 else [-0.25, -2.0], policy_version=None if idx == 2 else idx,
+                    routed_experts=rng.integers(0, 8, (42, 2, 2)).astype(np.uint8) if idx == 0 else None,
+                    tool_call={"name": "submit"} if idx else None))
+        async with engine.connect() as conn:
+            want = await _fetch_turns(conn, episodes)
+    finally:
+        await engine.dispose()
+    assert [(r[0], r[1]) for r in want] == sorted((e, i) for e in episodes for i in range(3))
+    assert [r[7] for r in want] == [0, 1, None] * 2 and [r[8] for r in want] == [False, True, True] * 2
+    assert [r[5] is None for r in want] == [False, True, False] * 2
+
+    with psycopg.connect(db.sync_url(migrated_pg_url).replace("postgresql+psycopg", "postgresql")) as conn:
+        with conn.cursor().copy(_PG_FETCH, (episodes,)) as copy:
+            stream = b"".join(bytes(chunk) for chunk in copy)
+
+    def comparable(rows):
+        return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows]
+
+    for size in (1, 2, 5, 19, 64, 333, len(stream)):
+        rows = _CopyRows(episodes)
+        for at in range(0, len(stream), size):
+            rows.feed(stream[at:at + size])
+        assert comparable(rows.result()) == comparable(want), size
+    for cut in (10, len(stream) // 2, len(stream) - 2):
+        rows = _CopyRows(episodes)
+        rows.feed(stream[:cut])
+        with pytest.raises(StorageError, match="ended early"):
+            rows.result()
+
+
 @pytest.mark.parametrize(("raw", "stored"), [
     ("plain text, tabs\tand\r\nline breaks stay; ünïcödé ✓ 字 🙂", None),
     ("a\x00b", "a\u2400b"),

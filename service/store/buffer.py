@@ -11,6 +11,7 @@ no bytes can fail a write. Light module: no FastAPI, no Celery.
 from __future__ import annotations
 
 import re
+import struct
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -163,24 +164,85 @@ _PG_CALLED = "coalesce(tool_call::text, 'null') <> 'null'"
 """_CALLED in PostgreSQL's words, for the COPY (a jsonb null counts as no call, as on SQLite)."""
 _PG_FETCH = (f"COPY (SELECT {', '.join(c.name for c in _TURN_COLUMNS)}, {_PG_CALLED} FROM turns "
              "WHERE episode_id = ANY(%s::uuid[]) ORDER BY episode_id, idx) TO STDOUT (FORMAT BINARY)")
-_PG_FETCH_TYPES = ["uuid", "int4", "int4", "bytea", "bytea", "bytea", "bytea", "int4", "bool"]
+_PG_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
+_INT16, _INT32 = struct.Struct(">h"), struct.Struct(">i")
+
+
+class _CopyRows:
+    """Rows of a binary COPY of _PG_FETCH, parsed from the stream as it comes: each array stays
+    a view into the chunk that carried it (no bytes object per field, as psycopg's row loader
+    makes), each episode id is looked up by its 16 bytes (no UUID per row)."""
+
+    def __init__(self, episode_ids: list[uuid.UUID]):
+        self.ids = {e.bytes: e for e in episode_ids}
+        self.rows: list[tuple] = []
+        self.pending = b""
+        self.header = True
+        self.ended = False
+
+    def feed(self, chunk) -> None:
+        data = memoryview(bytes(self.pending) + bytes(chunk)) if self.pending else memoryview(chunk)
+        pos = 0
+        if self.header:
+            if len(data) < 19:
+                self.pending = data.tobytes()
+                return
+            if data[:11] != _PG_COPY_SIGNATURE:
+                raise StorageError("the turns' COPY stream does not start with PostgreSQL's binary signature")
+            pos = 19 + _INT32.unpack_from(data, 15)[0]
+            self.header = False
+        while pos + 2 <= len(data):
+            (fields,) = _INT16.unpack_from(data, pos)
+            if fields == -1:
+                self.ended, pos = True, pos + 2
+                break
+            row, at = self._row(data, pos + 2, fields)
+            if row is None:
+                break
+            self.rows.append(row)
+            pos = at
+        self.pending = data[pos:].tobytes() if pos < len(data) else b""
+
+    def _row(self, data: memoryview, at: int, fields: int):
+        values = []
+        for _ in range(fields):
+            if at + 4 > len(data):
+                return None, at
+            (n,) = _INT32.unpack_from(data, at)
+            at += 4
+            if n < 0:
+                values.append(None)
+                continue
+            if at + n > len(data):
+                return None, at
+            values.append(data[at:at + n])
+            at += n
+        episode, idx, segment, input_ids, output_ids, logprobs, experts, version, called = values
+        return (self.ids[episode.tobytes()], _INT32.unpack(idx)[0], _INT32.unpack(segment)[0], input_ids,
+                output_ids, logprobs, experts, None if version is None else _INT32.unpack(version)[0],
+                called is not None and called[0] == 1), at
+
+    def result(self) -> list[tuple]:
+        if not self.ended or self.pending:
+            raise StorageError("the turns' COPY stream ended early")
+        return self.rows
 
 
 async def _fetch_turns(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> list[tuple]:
     """The turns' arrays, episode by episode in turn order (the (episode_id, idx) index, no
-    sort of wide rows); on PostgreSQL in binary format (bytea as text would double the bytes)."""
+    sort of wide rows); on PostgreSQL one binary COPY parsed as it streams (bytea as text would
+    double the bytes; psycopg's rows would copy every field once more)."""
     if conn.dialect.name != "postgresql":
         query = (sa.select(*_TURN_COLUMNS, _CALLED).where(Turn.episode_id.in_(episode_ids))
                  .order_by(Turn.episode_id, Turn.idx))
         return [tuple(r) for r in (await conn.execute(query)).all()]
     raw = (await conn.get_raw_connection()).driver_connection
-    out: list[tuple] = []
+    rows = _CopyRows(episode_ids)
     async with raw.cursor() as cur:
         async with cur.copy(_PG_FETCH, (list(episode_ids),)) as copy:
-            copy.set_types(_PG_FETCH_TYPES)
-            async for row in copy.rows():
-                out.append(row)
-    return out
+            async for chunk in copy:
+                rows.feed(chunk)
+    return rows.result()
 
 
 class Buffer:
