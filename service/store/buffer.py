@@ -281,9 +281,10 @@ class Buffer:
     @staticmethod
     async def _append_pg(conn: AsyncConnection, row: dict, attempt: int | None) -> None:
         """The hot path, in psycopg directly: one prepared statement with binary arrays, sent in
-        one round trip with the commit mode. A turn is durable once the server has it; waiting
-        for its WAL flush on every turn would cap a worker at a few hundred turns/s (episode
-        ends stay synchronous, and an episode end checks that all its turns are there)."""
+        one round trip with the commit mode and the commit (the caller's commit then finds no
+        transaction and sends nothing). A turn is durable once the server has it; waiting for
+        its WAL flush on every turn would cap a worker at a few hundred turns/s (episode ends
+        stay synchronous, and an episode end checks that all its turns are there)."""
         import psycopg
         from psycopg.types.json import Jsonb
 
@@ -295,9 +296,11 @@ class Buffer:
             async with raw.pipeline(), raw.cursor() as cur:
                 await cur.execute("SET LOCAL synchronous_commit TO OFF")
                 await cur.execute(statement, params, prepare=True)
+                await raw.commit()
+                stored = cur.rowcount  # read before the pipeline's exit, which resets it
         except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
             raise sa.exc.DBAPIError.instance(statement, None, e, psycopg.Error, hide_parameters=True) from e
-        if cur.rowcount == 0 and attempt is not None:  # a repeat of a stored turn, or a fenced-off attempt
+        if stored == 0 and attempt is not None:  # a repeat of a stored turn, or a fenced-off attempt
             current = await conn.scalar(sa.select(Episode.id).where(
                 Episode.id == row["episode_id"], Episode.attempt == attempt, Episode.status == "running"))
             if current is None:
