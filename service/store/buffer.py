@@ -10,6 +10,7 @@ no bytes can fail a write. Light module: no FastAPI, no Celery.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import struct
 import uuid
@@ -230,18 +231,31 @@ class _CopyRows:
 
 async def _fetch_turns(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> list[tuple]:
     """The turns' arrays, episode by episode in turn order (the (episode_id, idx) index, no
-    sort of wide rows); on PostgreSQL one binary COPY parsed as it streams (bytea as text would
-    double the bytes; psycopg's rows would copy every field once more)."""
+    sort of wide rows); on PostgreSQL one binary COPY (bytea as text would double the bytes),
+    read on a thread of its own (see _copy_turns)."""
     if conn.dialect.name != "postgresql":
         query = (sa.select(*_TURN_COLUMNS, _CALLED).where(Turn.episode_id.in_(episode_ids))
                  .order_by(Turn.episode_id, Turn.idx))
         return [tuple(r) for r in (await conn.execute(query)).all()]
-    raw = (await conn.get_raw_connection()).driver_connection
+    conninfo = conn.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return await asyncio.to_thread(_copy_turns, conninfo, list(episode_ids))
+
+
+def _copy_turns(conninfo: str, episode_ids: list[uuid.UUID]) -> list[tuple]:
+    """The COPY on a blocking connection, parsed as it streams (_CopyRows). On the event loop
+    every row of a few hundred kB waits for the socket several times through asyncio, which
+    cost 30-60% more than the transfer itself (bench/buffer.py); blocking, libpq waits in C.
+    The groups and episodes were read on the caller's connection: the turns of final episodes
+    do not change, so another snapshot reads the same."""
+    import psycopg
+
     rows = _CopyRows(episode_ids)
-    async with raw.cursor() as cur:
-        async with cur.copy(_PG_FETCH, (list(episode_ids),)) as copy:
-            async for chunk in copy:
+    try:
+        with psycopg.connect(conninfo, autocommit=True) as raw, raw.cursor().copy(_PG_FETCH, (episode_ids,)) as copy:
+            for chunk in copy:
                 rows.feed(chunk)
+    except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
+        raise sa.exc.DBAPIError.instance(_PG_FETCH, None, e, psycopg.Error, hide_parameters=True) from e
     return rows.result()
 
 
