@@ -47,11 +47,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                                      lease_s=settings.orchestrator_lease_s)
         app.state.validations.run_in_background()  # validations left running by a dead process are taken over
         yield
-        await app.state.validations.close()
-        await app.state.evaluations.close()
-        await app.state.supervisor.close()
+        # each part stopped whatever the others did: a worker that failed to stop in time must
+        # not leave the engine's connections (and, on SQLite, a write lock) behind
+        for what, close in (("validations", app.state.validations.close), ("evaluations", app.state.evaluations.close),
+                            ("orchestrators", app.state.supervisor.close)):
+            try:
+                await close()
+            except Exception:
+                logger.exception("stopping the %s failed", what)
         if app.state.worker is not None:
-            app.state.worker.stop()
+            try:
+                app.state.worker.stop()
+            except Exception:
+                logger.exception("stopping the in-process worker failed")
         for job in list(app.state.background):
             job.cancel()
         await app.state.engine.dispose()

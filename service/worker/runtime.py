@@ -64,7 +64,10 @@ class EpisodeRuntime:
             await self.engine.dispose()
 
         if self.loop.is_running():
-            asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout_s)
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout_s)
+            except TimeoutError:
+                logger.error("episodes still stopping after %.0f s; their loop is stopped with them", timeout_s)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
 
