@@ -71,7 +71,11 @@ class Settings(BaseSettings):
     any). Loopback is allowed too in local mode. Endpoints must be http(s) either way."""
     model_roots: str = ""
     """Folders a run's `sampler.tokenizer` may come from besides the models folder,
-    comma-separated. Empty: none with a token set; any in local mode (as `source_roots`)."""
+    comma-separated (in local mode too). Outside them only the folder the run's own endpoints
+    serve (vLLM's `root` in /v1/models) is taken."""
+    admission_probe_timeout_s: float = Field(5.0, gt=0, le=60)
+    """How long run admission waits for an endpoint's /v1/models when the tokenizer is outside
+    the model folders."""
     source_roots: str = ""
     """Host folders a task's local `source` may be under, comma-separated. Empty: none with a
     token set (git URLs and `bundle:NAME` only); any in local mode."""
@@ -117,10 +121,8 @@ class Settings(BaseSettings):
         return _items(self.endpoint_hosts)
 
     @property
-    def model_root_list(self) -> tuple[Path, ...] | None:
-        """None: any folder (local mode without the setting)."""
-        roots = tuple(map(Path, _items(self.model_roots)))
-        return None if not roots and self.local_mode else (self.resolved_models_dir, *roots)
+    def model_root_list(self) -> tuple[Path, ...]:
+        return (self.resolved_models_dir, *map(Path, _items(self.model_roots)))
 
     @property
     def source_root_list(self) -> tuple[Path, ...] | None:

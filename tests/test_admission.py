@@ -15,6 +15,7 @@ import pytest
 from service.control.redaction import Answers, without_host_paths
 from service.fleet.tiny_model import init_tiny
 from tests.conftest import auth, client_for, make_settings
+from tests.servers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +96,49 @@ async def test_endpoints_must_be_http_to_an_allowed_host(client, models, endpoin
     assert "sampler.endpoints[1]" in r.json()["detail"] and why in r.json()["detail"], r.text
 
 
-async def test_loopback_endpoints_and_any_model_folder_in_local_mode(db_url, models, tmp_path):
-    elsewhere = init_tiny(tmp_path / "mine")
-    async with client_for(make_settings(db_url, api_token=None, models_dir=models, endpoint_hosts="",
-                                          model_roots="")) as c:
-        config = {"suite_id": await suite_id(c), "sampler": vllm(elsewhere, "http://127.0.0.1:8100")}
+async def test_loopback_endpoints_in_local_mode(db_url, models):
+    async with client_for(make_settings(db_url, api_token=None, models_dir=models, endpoint_hosts="")) as c:
+        config = {"suite_id": await suite_id(c), "sampler": vllm(models / "tiny", "http://127.0.0.1:8100")}
         assert (await c.post("/api/v1/runs", json=config)).status_code == 201
         config["sampler"]["endpoints"] = ["http://10.1.2.3:8100"]
         r = await c.post("/api/v1/runs", json=config)
         assert r.status_code == 422 and "SWERVE_ENDPOINT_HOSTS" in r.json()["detail"], r.text
 
 
-async def test_model_roots_bind_local_mode_too_once_set(db_url, models, tmp_path):
-    """Local mode takes a tokenizer from any folder unless the operator named model roots, as
-    it does task sources: then the roots bind there as with a token."""
+@pytest.mark.parametrize("token", [None, "token"])
+async def test_a_tokenizer_outside_the_model_folders_only_as_the_model_the_endpoints_serve(db_url, models, tmp_path,
+                                                                                             token):
+    """Outside the models folder and SWERVE_MODEL_ROOTS (local mode as with a token), a
+    tokenizer is taken only as the policy's own model: the folder a run's endpoint says it
+    loaded (vLLM's `root` in /v1/models). Another folder, or an endpoint that does not answer,
+    is refused, naming both."""
+    from service.fleet.stub import create_stub
+    from tests.conftest import TOKEN
+    from tests.servers import ThreadServer
+
+    mine, other = init_tiny(tmp_path / "mine"), init_tiny(tmp_path / "other")
+    settings = make_settings(db_url, api_token=token and TOKEN, models_dir=models, model_roots="",
+                             endpoint_hosts="127.0.0.1")
+    headers = auth() if token else {}
+    async with client_for(settings) as c:
+        sid = await suite_id(c)
+        with ThreadServer(create_stub(model="policy", root=str(mine))) as server:
+            ok = await c.post("/api/v1/runs", headers=headers, json={"suite_id": sid, "sampler": vllm(mine, server.url)})
+            assert ok.status_code == 201, ok.text
+            r = await c.post("/api/v1/runs", headers=headers, json={"suite_id": sid, "sampler": vllm(other, server.url)})
+            assert r.status_code == 422, r.text
+            assert "not under a model folder" in r.json()["detail"] and str(mine) in r.json()["detail"], r.text
+        r = await c.post("/api/v1/runs", headers=headers,
+                         json={"suite_id": sid, "sampler": vllm(mine, f"http://127.0.0.1:{free_port()}")})
+        assert r.status_code == 422 and "did not answer /v1/models" in r.json()["detail"], r.text
+        r = await c.post("/api/v1/runs", headers=headers, json={"suite_id": sid, "sampler": {
+            "type": "demo", "tokenizer": str(mine)}})  # no endpoint to serve it: only the model folders
+        assert r.status_code == 422 and "not under a model folder" in r.json()["detail"], r.text
+
+
+async def test_model_roots_bind_local_mode_too(db_url, models, tmp_path):
+    """The model folders bind in local mode as with a token: a folder the operator added with
+    SWERVE_MODEL_ROOTS, or the models folder, is taken; another is not."""
     outside, inside = init_tiny(tmp_path / "outside"), init_tiny(tmp_path / "roots" / "mine")
     settings = make_settings(db_url, api_token=None, models_dir=models, endpoint_hosts="",
                              model_roots=str(tmp_path / "roots"))

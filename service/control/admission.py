@@ -1,6 +1,7 @@
 """What a token holder may ask of this service, checked when a run or a suite is created: the
 operator's ceilings on a run's limits (settings), inference endpoints only over http(s) to
-allowed hosts, tokenizers only from model folders, task sources only under allowed roots. A
+allowed hosts, tokenizers only from model folders or the model the run's own endpoints serve,
+task sources only under allowed roots. A
 run that passes starts; one that does not is a 422 naming the field and the setting that
 would allow it, so no run is created that cannot do what it asks."""
 
@@ -20,14 +21,24 @@ class AdmissionError(ValueError):
     """A request asks for more than this service allows; the message names each field."""
 
 
-def check_run(cfg: RunConfig, settings: Settings) -> None:
+async def check_run(cfg: RunConfig, settings: Settings) -> None:
     """Raise AdmissionError listing every field of `cfg` this service does not allow."""
-    problems = [*_ceilings(cfg, settings), *_tokenizer(cfg, settings)]
+    problems = _ceilings(cfg, settings)
+    endpoints = []
     if cfg.sampler.type == "vllm":
-        problems += [p for i, url in enumerate(cfg.sampler.endpoints)
+        endpoints = [p for i, url in enumerate(cfg.sampler.endpoints)
                      if (p := endpoint_problem(url, settings, f"sampler.endpoints[{i}]"))]
+    tokenizer = _tokenizer(cfg, settings)
+    if tokenizer == [OUTSIDE] and cfg.sampler.type == "vllm" and not endpoints:
+        tokenizer = await _served_by_endpoints(cfg, settings)
+    problems += [p.format(path=cfg.sampler.tokenizer, roots=", ".join(map(str, settings.model_root_list)))
+                 for p in tokenizer] + endpoints
     if problems:
         raise AdmissionError("; ".join(problems))
+
+
+OUTSIDE = ("sampler.tokenizer: {path} is not under a model folder of this service ({roots}; "
+           "SWERVE_MODEL_ROOTS adds folders)")
 
 
 def _ceilings(cfg: RunConfig, settings: Settings) -> list[str]:
@@ -54,14 +65,34 @@ def _tokenizer(cfg: RunConfig, settings: Settings) -> list[str]:
         return [f"sampler.tokenizer: {path} is not a folder (give the model folder the servers serve)"]
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return [f"sampler.tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"]
-    roots = settings.model_root_list
-    if roots is None:
-        return []
     real = Path(os.path.realpath(path))
-    if not any(real.is_relative_to(os.path.realpath(root)) for root in roots):
-        return [f"sampler.tokenizer: {path} is not under a model folder of this service "
-                f"({', '.join(map(str, roots))}; SWERVE_MODEL_ROOTS adds folders)"]
+    if not any(real.is_relative_to(os.path.realpath(root)) for root in settings.model_root_list):
+        return [OUTSIDE]
     return []
+
+
+async def _served_by_endpoints(cfg: RunConfig, settings: Settings) -> list[str]:
+    """[] if one of the run's endpoints serves the tokenizer's folder (vLLM names the folder
+    it loaded as `root` in /v1/models): the policy's own model is its tokenizer wherever it is.
+    Else why not, after OUTSIDE."""
+    import httpx
+
+    real = os.path.realpath(cfg.sampler.tokenizer)
+    heard = []
+    async with httpx.AsyncClient(timeout=settings.admission_probe_timeout_s, follow_redirects=False) as http:
+        for url in cfg.sampler.endpoints:
+            try:
+                answer = (await http.get(f"{url.rstrip('/')}/v1/models")).raise_for_status().json()
+            except (httpx.HTTPError, ValueError) as e:
+                heard.append(f"{url} did not answer /v1/models ({type(e).__name__})")
+                continue
+            data = answer.get("data") if isinstance(answer, dict) else None
+            roots = [m["root"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("root"), str)]
+            if any(os.path.isabs(root) and os.path.realpath(root) == real for root in roots):
+                return []
+            heard.append(f"{url} serves {', '.join(map(repr, roots)) or 'no model folder it names'}")
+    return [OUTSIDE[:-1] + ", nor the model folder its endpoints serve: " + "; ".join(heard).replace("{", "{{")
+            .replace("}", "}}") + ")"]
 
 
 def endpoint_problem(url: str, settings: Settings, field: str) -> str | None:

@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse
 
 
 def create_stub(model: str = "stub", max_model_len: int = 32768, layers: int = 0,
-                top_k: int = 0, tokens: int = 8, reload: str = "ok") -> FastAPI:  # fmt: skip
+                top_k: int = 0, tokens: int = 8, reload: str = "ok", root: str | None = None) -> FastAPI:  # fmt: skip
     """layers/top_k > 0: return routed experts for prompt + output tokens, as vLLM GPU does.
-    reload: "ok", "fail" (collective_rpc answers 500) or "stale" (version never changes)."""
+    reload: "ok", "fail" (collective_rpc answers 500) or "stale" (version never changes).
+    root: the model folder /v1/models names (vLLM: the path it loaded; default `model`)."""
     app = FastAPI()
     state = {"version": "default", "paused": False, "calls": 0}
 
@@ -28,7 +29,7 @@ def create_stub(model: str = "stub", max_model_len: int = 32768, layers: int = 0
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"data": [{"id": model, "max_model_len": max_model_len}]}
+        return {"data": [{"id": model, "root": model if root is None else root, "max_model_len": max_model_len}]}
 
     @app.get("/weight_info")
     async def weight_info() -> dict:

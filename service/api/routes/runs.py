@@ -37,9 +37,10 @@ NOT_FOUND = {404: {"model": Problem}}
 async def create(request: Request, engine: EngineDep, settings: SettingsDep, cfg: RunConfig) -> dict:
     """Create a run. Refused (422, naming each field) when it asks for more than this service
     allows: limits above the operator's ceilings, endpoints that are not http(s) to allowed
-    hosts, a tokenizer that is not a model folder (service.control.admission)."""
+    hosts, a tokenizer that is neither under a model folder nor the model the endpoints serve
+    (service.control.admission)."""
     try:
-        check_run(cfg, settings)
+        await check_run(cfg, settings)
         run_id = await create_run(engine, cfg)
     except (RunError, AdmissionError) as e:
         raise HTTPException(status_code=422, detail=str(e)) from e
