@@ -28,17 +28,17 @@ async def check_run(cfg: RunConfig, settings: Settings) -> None:
     if cfg.sampler.type == "vllm":
         endpoints = [p for i, url in enumerate(cfg.sampler.endpoints)
                      if (p := endpoint_problem(url, settings, f"sampler.endpoints[{i}]"))]
-    tokenizer = _tokenizer(cfg, settings)
-    if tokenizer == [OUTSIDE] and cfg.sampler.type == "vllm" and not endpoints:
-        tokenizer = await _served_by_endpoints(cfg, settings)
-    problems += [p.format(path=cfg.sampler.tokenizer, roots=", ".join(map(str, settings.model_root_list)))
-                 for p in tokenizer] + endpoints
+    tokenizer = _tokenizer(cfg)
+    if not tokenizer and not _under_model_roots(cfg.sampler.tokenizer, settings):
+        heard = await _served_by_endpoints(cfg, settings) if cfg.sampler.type == "vllm" and not endpoints else ""
+        if heard is not None:
+            roots = ", ".join(map(str, settings.model_root_list))
+            tokenizer = [f"sampler.tokenizer: {cfg.sampler.tokenizer} is not under a model folder of this service "
+                         f"({roots}; SWERVE_MODEL_ROOTS adds folders"
+                         + (f", nor the model folder its endpoints serve: {heard})" if heard else ")")]
+    problems += tokenizer + endpoints
     if problems:
         raise AdmissionError("; ".join(problems))
-
-
-OUTSIDE = ("sampler.tokenizer: {path} is not under a model folder of this service ({roots}; "
-           "SWERVE_MODEL_ROOTS adds folders)")
 
 
 def _ceilings(cfg: RunConfig, settings: Settings) -> list[str]:
@@ -59,40 +59,45 @@ def _ceilings(cfg: RunConfig, settings: Settings) -> list[str]:
             for field, value, ceiling, setting in asked if value > ceiling]
 
 
-def _tokenizer(cfg: RunConfig, settings: Settings) -> list[str]:
+def _tokenizer(cfg: RunConfig) -> list[str]:
     path = Path(cfg.sampler.tokenizer)
     if not path.is_dir():
         return [f"sampler.tokenizer: {path} is not a folder (give the model folder the servers serve)"]
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return [f"sampler.tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"]
-    real = Path(os.path.realpath(path))
-    if not any(real.is_relative_to(os.path.realpath(root)) for root in settings.model_root_list):
-        return [OUTSIDE]
     return []
 
 
-async def _served_by_endpoints(cfg: RunConfig, settings: Settings) -> list[str]:
-    """[] if one of the run's endpoints serves the tokenizer's folder (vLLM names the folder
+def _under_model_roots(path: str, settings: Settings) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real.is_relative_to(os.path.realpath(root)) for root in settings.model_root_list)
+
+
+async def _served_by_endpoints(cfg: RunConfig, settings: Settings) -> str | None:
+    """None if one of the run's endpoints serves the tokenizer's folder (vLLM names the folder
     it loaded as `root` in /v1/models): the policy's own model is its tokenizer wherever it is.
-    Else why not, after OUTSIDE."""
+    Else what each endpoint answered."""
     import httpx
+
+    from service.fleet.client import served_models
 
     real = os.path.realpath(cfg.sampler.tokenizer)
     heard = []
     async with httpx.AsyncClient(timeout=settings.admission_probe_timeout_s, follow_redirects=False) as http:
         for url in cfg.sampler.endpoints:
             try:
-                answer = (await http.get(f"{url.rstrip('/')}/v1/models")).raise_for_status().json()
+                served = served_models((await http.get(f"{url.rstrip('/')}/v1/models")).raise_for_status().json())
             except (httpx.HTTPError, ValueError) as e:
                 heard.append(f"{url} did not answer /v1/models ({type(e).__name__})")
                 continue
-            data = answer.get("data") if isinstance(answer, dict) else None
-            roots = [m["root"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("root"), str)]
+            if isinstance(served, str):
+                heard.append(f"{url} answered {served}")
+                continue
+            roots = [m["root"] for m in served if isinstance(m.get("root"), str)]
             if any(os.path.isabs(root) and os.path.realpath(root) == real for root in roots):
-                return []
+                return None
             heard.append(f"{url} serves {', '.join(map(repr, roots)) or 'no model folder it names'}")
-    return [OUTSIDE[:-1] + ", nor the model folder its endpoints serve: " + "; ".join(heard).replace("{", "{{")
-            .replace("}", "}}") + ")"]
+    return "; ".join(heard)
 
 
 def endpoint_problem(url: str, settings: Settings, field: str) -> str | None:

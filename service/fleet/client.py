@@ -173,7 +173,7 @@ class VLLMClient:
         except (httpx.HTTPError, ValueError) as e:
             self._mark_down(ep, f"probe failed: {e}")
             return
-        served = _served_models(models)
+        served = served_models(models)
         if isinstance(served, str):
             ep.wrong = f"/v1/models answered {served}: not a vLLM server (is the URL the server's base URL?)"
             self._mark_down(ep, ep.wrong)
@@ -374,7 +374,7 @@ def decode_routed_experts(raw) -> np.ndarray | None:
     return arr.astype(np.uint8 if arr.size == 0 or arr.max() < 256 else np.uint16)
 
 
-def _served_models(answer) -> list[dict] | str:
+def served_models(answer) -> list[dict] | str:
     """The models a /v1/models answer lists (each with `id` and `max_model_len`, as vLLM
     lists them), or what is wrong with the answer."""
     data = answer.get("data") if isinstance(answer, dict) else None
