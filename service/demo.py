@@ -94,9 +94,10 @@ class LearnPlan:
     sft_lr: float = 5e-4
     """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
     copying, accuracy on random-token repeats 0.98 before and after)."""
-    rl_steps: int = 9
-    """About 16 minutes on 2 cores (AMD EPYC; a step of 128 samples about 105 s with the trainer
-    beside it). On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
+    rl_steps: int = 12
+    """About 21 minutes on 2 cores (AMD EPYC; a step of 128 samples about 105 s with the trainer
+    beside it), within the 30 minutes with rl_time_limit_s as the bound. Before warmup and the
+    lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
     job with the same settings saw its held-out evaluation fall (0.219 at v0, 0.109 at v5, 0.078
     at v10) and was stopped at step 12: the run-to-run spread at lr 3e-4 is as large as the gain."""
     rl_groups_per_step: int = 16
@@ -115,10 +116,15 @@ class LearnPlan:
     """The RL job's trainer stops after the step that ends past this (its version is the job's
     last, evaluated as the last), so that RL with its evaluations fits the 30 minutes on a slower
     CPU; here the 9 steps end first (about 16 minutes)."""
-    rl_lr: float = 3e-4
+    rl_lr: float = 1e-4
     """At 5e-4 with credit for malformed turns the RL job of 2026-12-02 broke the tool-call
     format within 8 steps; 2e-4 without it (8 groups of 8) was stable and still improving the
-    format at step 24; 3e-4 with 4 groups a step lost 6 points in 40 steps."""
+    format at step 24; 3e-4 with 4 groups a step lost 6 points in 40 steps; 3e-4 from the
+    word-named SFT checkpoint (0.307) lost 13 points in 9 steps, its in-job evaluations falling
+    from the first (bench/RESULTS.md, 2026-12-03 night). The RL job starts a fresh optimizer, and
+    Adam's first updates move every parameter by about lr: hence the lower rate and the warmup."""
+    rl_warmup_steps: int = 3
+    """The RL trainer's learning rate rises over its first steps (trainer optim.warmup_steps)."""
     rl_negative_scale: float = 0.0
     """Advantages below zero scaled by this (0: learn only from samples better than their group)."""
     rl_credit_malformed: bool = False
@@ -270,7 +276,7 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
                      "agent": {"max_turns": plan.max_turns,
                                "sampling": {"max_tokens": plan.max_tokens, "temperature": plan.rl_temperature}}},
         "trainer": {"nproc": 1, "fill_useful": plan.rl_fill_useful, "checkpoint_every": max(1, plan.rl_steps // 4),
-                    "optim": {"lr": plan.rl_lr},
+                    "optim": {"lr": plan.rl_lr, "warmup_steps": plan.rl_warmup_steps},
                     "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
                     "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale,
                              "credit_malformed": plan.rl_credit_malformed}},
@@ -485,7 +491,7 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
 
 
 _AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0,
-              "rl_temperature": 1.0}
+              "rl_temperature": 1.0, "rl_warmup_steps": 0}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
 AFTER_RL = ("RL", "evaluate after RL", "SFT continued", "evaluate SFT continued")

@@ -386,6 +386,36 @@ async def test_a_dataset_trains_epoch_after_epoch_on_the_same_groups_and_claims_
     assert [(m["step"], m["groups"]) for m in history] == [(4, 1)]
 
 
+async def test_the_learning_rate_warms_up_over_the_first_steps_of_a_run(engine, tiny, tmp_path):
+    """optim.warmup_steps: the update that makes version s+1 uses lr x (s+1)/(warmup_steps+1),
+    counted from the run's start, so a resumed trainer goes on at the rate its step says. Adam's
+    first update moves each parameter by about the learning rate (the gradient's sign), so the
+    first step's largest move is the warmed-up rate, not the full one."""
+    from trainer.config import TrainerConfig
+    from trainer.model import build_model
+    from trainer.train import Trainer
+
+    model, _, _ = build_model(tiny["dense"])
+    run_id = await fill_buffer(engine, model, [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    lr = 1e-3
+
+    def cfg(**kw) -> TrainerConfig:
+        return TrainerConfig(**{"model": tiny["dense"], "out_dir": tmp_path, "steps": 0, "groups_per_step": 1,
+                                "sft": True, "dataset": {"run_id": str(run_id)}, "checkpoint_every": 1,
+                                "optim": {"lr": lr, "warmup_steps": 3}, "data": {"seq_len": 64}, "wait_s": 5} | kw)
+
+    first = Trainer(cfg(until_step=1), engine)
+    before = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
+    history = await first.run()
+    moved = max(float((v - before[k]).abs().max()) for k, v in first.model.state_dict().items())
+    largest = max(float(v.abs().max()) for v in before.values())
+    rounding = 2 * torch.finfo(torch.float32).eps * (largest + lr)  # the update's and the difference's
+    assert 0.9 * lr / 4 <= moved <= lr / 4 + rounding
+    history += await Trainer(cfg(until_step=5), engine).run()
+    assert [m["step"] for m in history] == [1, 2, 3, 4, 5]
+    assert [m["lr"] for m in history] == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr])
+
+
 async def test_a_time_limit_stops_the_trainer_after_a_step(engine, tiny, tmp_path):
     from trainer.config import TrainerConfig
     from trainer.model import build_model

@@ -24,6 +24,15 @@ class OptimConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    """The learning rate rises linearly over the run's first steps (torchtitan's linear warmup:
+    lr x (step + 1) / (warmup_steps + 1)). A run started from weights with a fresh optimizer
+    (RL from an SFT checkpoint) otherwise moves every parameter by about lr in its first steps:
+    Adam's first updates are the gradient's sign."""
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the update that makes version step + 1."""
+        return self.lr * min(1.0, (step + 1) / (self.warmup_steps + 1))
 
 
 class ParallelismConfig(BaseModel):

@@ -133,7 +133,10 @@ class Trainer:
                 logger.warning("step %d discarded: %s", self.step, lost)
                 self.optimizer.zero_grad(set_to_none=True)
                 continue
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.optim.lr_at(self.step)
             self.optimizer.step()
+            metrics["lr"] = self.cfg.optim.lr_at(self.step)
             self.step += 1
             if self.step % self.cfg.checkpoint_every == 0:
                 await asyncio.to_thread(self.save_checkpoint)
