@@ -181,6 +181,62 @@ async def test_concurrent_claimers_never_share_a_group(migrated_pg_url):
         await engine.dispose()
 
 
+async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_own_fate(migrated_pg_url):
+    """Group commit on PostgreSQL: the turns many episodes append at once are written in a few
+    transactions, not one each, and every caller still gets its own outcome: stored exactly, a
+    repeat ignored, a fenced-off attempt Superseded, a refused turn a StorageError, and no other
+    turn of the batch lost for them."""
+    from service.store.buffer import Superseded, _TurnWriter
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url, pool_size=4)
+    try:
+        buffer = Buffer(engine)
+        episodes = [e for _, es in await make_groups(engine, 20, size=2) for e in es]
+
+        async def write(e):
+            for i in range(3):
+                await buffer.append_turn(e, turn(i), attempt=0)
+
+        batches = []
+        store = _TurnWriter._store
+
+        async def counted(self, rows):
+            batches.append(len(rows))
+            return await store(self, rows)
+
+        _TurnWriter._store = counted
+        try:
+            await asyncio.gather(*(write(e) for e in episodes))
+            written = list(batches)
+            outcomes = await asyncio.gather(
+                buffer.append_turn(episodes[0], turn(0), attempt=0),  # a repeat: ignored
+                buffer.append_turn(episodes[1], turn(3), attempt=1),  # not the running attempt
+                buffer.append_turn(episodes[2], turn(None), attempt=0),  # idx NOT NULL: refused
+                buffer.append_turn(episodes[3], turn(3)),  # unfenced, beside the fenced ones
+                *(buffer.append_turn(e, turn(3), attempt=0) for e in episodes[4:]),
+                return_exceptions=True)
+        finally:
+            _TurnWriter._store = store
+        assert sum(written) == 3 * len(episodes) and len(written) <= 3 * len(episodes) / 4
+        assert outcomes[0] is None and outcomes[3] is None and all(o is None for o in outcomes[4:])
+        assert isinstance(outcomes[1], Superseded)
+        assert isinstance(outcomes[2], StorageError) and "refused turn None of episode" in str(outcomes[2])
+        async with engine.connect() as conn:
+            counts = dict((await conn.execute(sa.select(Turn.episode_id, sa.func.count()).group_by(Turn.episode_id))).all())
+        assert [counts[e] for e in episodes] == [3, 3, 3] + [4] * (len(episodes) - 3)
+        assert all([await buffer.finish_episode(e, status="submitted", n_turns=counts[e]) for e in episodes])
+        claim = await buffer.claim(20, trainer_step=0, max_staleness=9)
+        loaded = {e.id: e for g in await buffer.load(claim) for e in g.episodes}
+        want = turn(2)
+        for e in episodes:
+            got = loaded[e].turns[2]
+            assert list(got.output_ids) == want.output_ids and np.array_equal(got.routed_experts, want.routed_experts)
+    finally:
+        await engine.dispose()
+
+
 async def test_the_turns_copy_stream_parses_the_same_however_it_is_cut(migrated_pg_url):
     """The PostgreSQL read path parses the binary COPY itself, row by row as it streams: the
     same rows whatever the chunk boundaries (psycopg hands one message per row; a row split

@@ -152,6 +152,9 @@ _PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) SELECT {_PG_VALUES}
               "WHERE EXISTS (SELECT 1 FROM episodes WHERE id = %(episode_id)s::uuid AND attempt = %(attempt)s::integer "
               "AND status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING")
 
+_PG_RETURNING = " RETURNING 1"
+"""One row back per turn stored: the write of many turns learns which of them were stored."""
+
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
                  Turn.output_logprobs, Turn.routed_experts, Turn.policy_version)
 _CALLED = sa.func.coalesce(sa.cast(Turn.tool_call, sa.Text), "null") != "null"
@@ -259,6 +262,114 @@ def _copy_turns(conninfo: str, episode_ids: list[uuid.UUID]) -> list[tuple]:
     return rows.result()
 
 
+class _TurnWriter:
+    """Group commit of the turns a process's episodes append on PostgreSQL at the same time.
+    The first turn is written at once; turns that arrive while a write is in flight go together
+    in the next one: one transaction, one round trip and one connection for all of them, so a
+    worker with many episodes in flight pays a round trip per batch instead of per turn. Each
+    caller still learns what became of its own turn (stored, or not: a repeat or a fenced-off
+    attempt) or gets its own error: a batch the database refuses is written again turn by turn,
+    so one bad turn fails only its episode."""
+
+    MAX_ROWS = 64
+    MAX_BYTES = 32 << 20
+    """A batch's bounds: a transaction of many large turns holds its connection and memory long."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: list[tuple[dict, int | None, asyncio.Future]] = []
+        self.drainer: asyncio.Task | None = None
+
+    @classmethod
+    def of(cls, engine: AsyncEngine) -> _TurnWriter:
+        """The engine's writer on the running loop (an engine serves one loop at a time)."""
+        writer = getattr(engine.sync_engine, "_swerve_turn_writer", None)
+        if writer is None or writer.loop is not asyncio.get_running_loop():
+            writer = cls(engine)
+            engine.sync_engine._swerve_turn_writer = writer
+        return writer
+
+    async def append(self, row: dict, attempt: int | None) -> bool:
+        """Whether the turn was stored (False: a repeat, or `attempt` is not the running one)."""
+        done = self.loop.create_future()
+        self.queue.append((row, attempt, done))
+        if self.drainer is None:
+            self.drainer = asyncio.create_task(self._drain())
+        return await done
+
+    async def _drain(self) -> None:
+        batch = []
+        try:
+            while self.queue:
+                batch, size = [], 0
+                while self.queue and len(batch) < self.MAX_ROWS and (not batch or size < self.MAX_BYTES):
+                    batch.append(self.queue.pop(0))
+                    size += _row_bytes(batch[-1][0])
+                await self._write(batch)
+        except BaseException:  # cancelled (the loop shutting down): no caller waits forever
+            for _, _, done in batch + self.queue:
+                done.cancel()
+            self.queue.clear()
+            raise
+        finally:
+            self.drainer = None
+
+    async def _write(self, batch: list[tuple[dict, int | None, asyncio.Future]]) -> None:
+        try:
+            stored = await self._store([(row, attempt) for row, attempt, _ in batch])
+        except Exception as e:  # noqa: BLE001 - every caller gets its outcome
+            if len(batch) > 1:  # whose turn was it? each on its own
+                for one in batch:
+                    await self._write([one])
+                return
+            if not batch[0][2].done():
+                batch[0][2].set_exception(e)
+            return
+        for (_, _, done), ok in zip(batch, stored):
+            if not done.done():  # its caller may have been cancelled
+                done.set_result(ok)
+
+    async def _store(self, rows: list[tuple[dict, int | None]]) -> list[bool]:
+        """The turns in one transaction and one round trip: the commit mode, the inserts (fenced
+        by their attempt where they have one) and the commit in one pipeline. A turn is durable
+        once the server has it; waiting for its WAL flush on every turn would cap a worker at a
+        few hundred turns/s (episode ends stay synchronous, and an episode end checks that all
+        its turns are there)."""
+        import psycopg
+        from psycopg.types.json import Jsonb
+
+        params = [{**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
+                   "attempt": attempt} for row, attempt in rows]
+        kinds = [(_PG_APPEND + _PG_RETURNING, [i for i, p in enumerate(params) if p["attempt"] is not None]),
+                 (_PG_APPEND_UNFENCED + _PG_RETURNING, [i for i, p in enumerate(params) if p["attempt"] is None])]
+        stored = [False] * len(rows)
+        async with self.engine.begin() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+            try:
+                async with raw.pipeline():
+                    await raw.execute("SET LOCAL synchronous_commit TO OFF")
+                    cursors = []
+                    for statement, at in kinds:
+                        if at:
+                            cur = raw.cursor()
+                            await cur.executemany(statement, [params[i] for i in at], returning=True)
+                            cursors.append((cur, at))
+                    await raw.commit()
+                    for cur, at in cursors:  # read before the pipeline's exit, which resets them
+                        for i in at:
+                            stored[i] = cur.rowcount > 0
+                            cur.nextset()
+                        await cur.close()
+            except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
+                raise sa.exc.DBAPIError.instance(_PG_APPEND, None, e, psycopg.Error, hide_parameters=True) from e
+        return stored
+
+
+def _row_bytes(row: dict) -> int:
+    return sum(len(v) for v in row.values() if isinstance(v, (bytes, str)))
+
+
 class Buffer:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
@@ -280,10 +391,10 @@ class Buffer:
             "started_at": utcnow(), "generation_s": turn.generation_s, "tool_s": turn.tool_s,
         }  # fmt: skip
         with _refusals(f"turn {turn.idx} of episode {episode_id}"):
+            if self.engine.dialect.name == "postgresql":
+                await self._append_pg(row, attempt)
+                return
             async with self.engine.begin() as conn:
-                if conn.dialect.name == "postgresql":
-                    await self._append_pg(conn, row, attempt)
-                    return
                 if attempt is not None:
                     fence = sa.select(Episode.id).where(Episode.id == episode_id, Episode.attempt == attempt,
                                                         Episode.status == "running")
@@ -292,31 +403,14 @@ class Buffer:
                 stmt = _insert(conn)(Turn).values(**row).on_conflict_do_nothing(index_elements=["episode_id", "idx"])
                 await conn.execute(stmt)
 
-    @staticmethod
-    async def _append_pg(conn: AsyncConnection, row: dict, attempt: int | None) -> None:
-        """The hot path, in psycopg directly: one prepared statement with binary arrays, sent in
-        one round trip with the commit mode and the commit (the caller's commit then finds no
-        transaction and sends nothing). A turn is durable once the server has it; waiting for
-        its WAL flush on every turn would cap a worker at a few hundred turns/s (episode ends
-        stay synchronous, and an episode end checks that all its turns are there)."""
-        import psycopg
-        from psycopg.types.json import Jsonb
-
-        raw = (await conn.get_raw_connection()).driver_connection
-        params = {**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
-                  "attempt": attempt}
-        statement = _PG_APPEND if attempt is not None else _PG_APPEND_UNFENCED
-        try:
-            async with raw.pipeline(), raw.cursor() as cur:
-                await cur.execute("SET LOCAL synchronous_commit TO OFF")
-                await cur.execute(statement, params, prepare=True)
-                await raw.commit()
-                stored = cur.rowcount  # read before the pipeline's exit, which resets it
-        except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
-            raise sa.exc.DBAPIError.instance(statement, None, e, psycopg.Error, hide_parameters=True) from e
-        if stored == 0 and attempt is not None:  # a repeat of a stored turn, or a fenced-off attempt
-            current = await conn.scalar(sa.select(Episode.id).where(
-                Episode.id == row["episode_id"], Episode.attempt == attempt, Episode.status == "running"))
+    async def _append_pg(self, row: dict, attempt: int | None) -> None:
+        """The hot path: psycopg directly, binary arrays, batched with the turns other episodes
+        of this process append at the same time (_TurnWriter)."""
+        stored = await _TurnWriter.of(self.engine).append(row, attempt)
+        if not stored and attempt is not None:  # a repeat of a stored turn, or a fenced-off attempt
+            async with self.engine.connect() as conn:
+                current = await conn.scalar(sa.select(Episode.id).where(
+                    Episode.id == row["episode_id"], Episode.attempt == attempt, Episode.status == "running"))
             if current is None:
                 raise Superseded(f"episode {row['episode_id']}: attempt {attempt} is no longer the running one")
 
