@@ -1,6 +1,7 @@
 """Buffer throughput for long MoE episodes, side by side in one run: our buffer (a transaction
 per turn, as workers write; then claim + load of whole groups), Parquet files (how file-based
-RL transports move rollouts) and raw binary COPY into PostgreSQL (the ceiling).
+RL transports move rollouts) and raw binary COPY into PostgreSQL (the ceiling). Writes and reads
+as before (earlier paths, timed after today's in the same run) stand beside them.
 
 Episodes: ~131k tokens over 300 turns, int32 ids, float32 logprobs for sampled tokens, routed
 experts of a GLM-5-sized MoE (78 layers, top-8, uint8) for every token.
@@ -52,7 +53,7 @@ async def setup(engine, episodes: int) -> list[uuid.UUID]:
     suite_id, run_id = uuid.uuid4(), uuid.uuid4()
     ids = []
     async with engine.begin() as conn:
-        await conn.execute(sa.insert(Suite).values(id=suite_id, name="bench", task_count=episodes, created_at=utcnow()))
+        await conn.execute(sa.insert(Suite).values(id=suite_id, name=f"bench-{suite_id.hex[:8]}", task_count=episodes, created_at=utcnow()))
         await conn.execute(sa.insert(Run).values(id=run_id, suite_id=suite_id, status="running", config={},
                                                  config_hash="0" * 64, created_at=utcnow()))
         for g in range(episodes):
@@ -91,9 +92,49 @@ async def ours(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float
         n_turns = sum(len(t) for t in episodes)
         BEFORE["read"] = await _read_as_before(buffer, claim.group_ids, n_turns, _per_episode)
         BEFORE["copy rows"] = await _read_as_before(buffer, claim.group_ids, n_turns, _copy_rows)
+        BEFORE["write"] = await _write_as_before(engine, buffer, episodes)
         return written, read
     finally:
         await engine.dispose()
+
+
+async def _write_as_before(engine, buffer: Buffer, episodes: list[list[TurnRecord]]) -> float:
+    """The same turns written as before 2026-12-04 (a transaction and a round trip per turn,
+    no batching across episodes), into episodes of their own, after today's writes and reads."""
+    from service.store import buffer as module
+
+    class OneByOne:
+        def __init__(self, engine):
+            self.engine = engine
+
+        async def append(self, row, attempt):
+            from psycopg.types.json import Jsonb
+
+            async with self.engine.begin() as conn:
+                raw = (await conn.get_raw_connection()).driver_connection
+                params = {**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
+                          "attempt": attempt}
+                statement = module._PG_APPEND if attempt is not None else module._PG_APPEND_UNFENCED
+                async with raw.pipeline(), raw.cursor() as cur:
+                    await cur.execute("SET LOCAL synchronous_commit TO OFF")
+                    await cur.execute(statement, params, prepare=True)
+                    await raw.commit()
+                    return cur.rowcount > 0
+
+    ids = await setup(engine, len(episodes))
+    today, module._TurnWriter.of = module._TurnWriter.of, classmethod(lambda cls, engine: OneByOne(engine))
+    try:
+        start = time.perf_counter()
+
+        async def write(episode_id, turns):
+            for turn in turns:
+                await buffer.append_turn(episode_id, turn)
+            await buffer.finish_episode(episode_id, status="submitted", reward=1.0)
+
+        await asyncio.gather(*(write(e, t) for e, t in zip(ids, episodes)))
+        return time.perf_counter() - start
+    finally:
+        module._TurnWriter.of = today
 
 
 BEFORE: dict[str, float] = {}
@@ -242,6 +283,8 @@ async def main() -> None:
     print(f"swerve vs COPY: in {copy_w / ours_w:.2f}x, out {copy_r / ours_r:.2f}x of the ceiling")
     print(f"COPY out, its rows kept in memory (as a reader must): {tokens / KEPT['read']:.0f} tok/s; "
           f"swerve out {KEPT['read'] / ours_r:.2f}x of it")
+    print(f"writes as before (a transaction per turn): {tokens / BEFORE['write']:.0f} tok/s, "
+          f"{copy_w / BEFORE['write']:.2f}x of the ceiling")
     print(f"reads as before (a SELECT per episode): {tokens / BEFORE['read']:.0f} tok/s, "
           f"{copy_r / BEFORE['read']:.2f}x of the ceiling")
     print(f"reads as before (psycopg's rows of the COPY): {tokens / BEFORE['copy rows']:.0f} tok/s, "
