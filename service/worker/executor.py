@@ -257,7 +257,7 @@ async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, epis
     except Exception as e:
         raise ConfigError(f"sampler.tokenizer: {cfg.sampler.tokenizer} cannot be loaded: "
                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else repr(e)}") from e
-    renderer = TokenRenderer(tokenizer, SWEEnv.tools)
+    renderer = _renderer(tokenizer)
     sink = DbTurnSink(buffer, episode_id, attempt)
     async with task_sandbox(task, env_cfg, episode=str(episode_id)) as sandbox:
         env = SWEEnv(task, sandbox, env_cfg)
@@ -273,6 +273,18 @@ async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, epis
             return await run_episode(fleet, env, renderer, cfg.agent, sink, session=str(episode_id))
         finally:
             fleet.end_session(str(episode_id))
+
+
+_renderers: dict[int, tuple[object, TokenRenderer]] = {}
+
+
+def _renderer(tokenizer) -> TokenRenderer:
+    """One renderer per tokenizer (the tokenizers are cached): building one renders the template
+    several times, and what it learns (its frames) holds for every episode."""
+    key = id(tokenizer)
+    if key not in _renderers:  # the tokenizer is held here, so its id is not reused
+        _renderers[key] = (tokenizer, TokenRenderer(tokenizer, SWEEnv.tools))
+    return _renderers[key][1]
 
 
 _fleets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
