@@ -70,20 +70,25 @@ async def setup(engine, episodes: int) -> list[uuid.UUID]:
     return ids
 
 
+async def _write_all(buffer: Buffer, ids: list[uuid.UUID], episodes: list[list[TurnRecord]]) -> float:
+    """Seconds to write every episode's turns, the episodes at the same time (as a worker's are)."""
+    start = time.perf_counter()
+
+    async def write(episode_id, turns):
+        for turn in turns:
+            await buffer.append_turn(episode_id, turn)
+        await buffer.finish_episode(episode_id, status="submitted", reward=1.0)
+
+    await asyncio.gather(*(write(e, t) for e, t in zip(ids, episodes)))
+    return time.perf_counter() - start
+
+
 async def ours(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float]:
     engine = db.make_async_engine(url, pool_size=8)
     try:
         ids = await setup(engine, len(episodes))
         buffer = Buffer(engine)
-        start = time.perf_counter()
-
-        async def write(episode_id, turns):
-            for turn in turns:
-                await buffer.append_turn(episode_id, turn)
-            await buffer.finish_episode(episode_id, status="submitted", reward=1.0)
-
-        await asyncio.gather(*(write(e, t) for e, t in zip(ids, episodes)))
-        written = time.perf_counter() - start
+        written = await _write_all(buffer, ids, episodes)
         start = time.perf_counter()
         claim = await buffer.claim(len(ids), trainer_step=0, max_staleness=1)
         groups = await buffer.load(claim)
@@ -124,15 +129,7 @@ async def _write_as_before(engine, buffer: Buffer, episodes: list[list[TurnRecor
     ids = await setup(engine, len(episodes))
     today, module._TurnWriter.of = module._TurnWriter.of, classmethod(lambda cls, engine: OneByOne(engine))
     try:
-        start = time.perf_counter()
-
-        async def write(episode_id, turns):
-            for turn in turns:
-                await buffer.append_turn(episode_id, turn)
-            await buffer.finish_episode(episode_id, status="submitted", reward=1.0)
-
-        await asyncio.gather(*(write(e, t) for e, t in zip(ids, episodes)))
-        return time.perf_counter() - start
+        return await _write_all(buffer, ids, episodes)
     finally:
         module._TurnWriter.of = today
 
