@@ -12,6 +12,7 @@ import time
 import uuid
 import weakref
 from datetime import datetime, timedelta, timezone
+from functools import lru_cache
 
 import sqlalchemy as sa
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -275,16 +276,11 @@ async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, epis
             fleet.end_session(str(episode_id))
 
 
-_renderers: dict[int, tuple[object, TokenRenderer]] = {}
-
-
+@lru_cache(maxsize=8)  # as many as load_tokenizer keeps
 def _renderer(tokenizer) -> TokenRenderer:
-    """One renderer per tokenizer (the tokenizers are cached): building one renders the template
-    several times, and what it learns (its frames) holds for every episode."""
-    key = id(tokenizer)
-    if key not in _renderers:  # the tokenizer is held here, so its id is not reused
-        _renderers[key] = (tokenizer, TokenRenderer(tokenizer, SWEEnv.tools))
-    return _renderers[key][1]
+    """One renderer per tokenizer: building one renders the template several times, and what it
+    learns (its frames) holds for every episode."""
+    return TokenRenderer(tokenizer, SWEEnv.tools)
 
 
 _fleets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
