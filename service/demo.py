@@ -131,6 +131,12 @@ class LearnPlan:
     """False: turns without a well-formed tool call get no positive credit (trainer
     DataConfig.credit_malformed): an episode out of turns is graded on its fix, and its
     malformed last turns were reinforced with it."""
+    rl_format_weight: float = 0.2
+    """Added to a sample's reward, times its share of well-formed turns, for its advantage
+    (trainer DataConfig.format_weight): about half the tasks are never solved in 8 samples
+    (held-out pass@8 0.48 after SFT), and their groups taught nothing; with the weight they
+    teach the form. 0.2: a fifth of a fix, so a solved sample always outranks an unsolved one.
+    The demo of 2026-12-04 without it: format errors 0.208 after SFT, 0.169 after RL."""
     rl_kl_coef: float = 0.01
     rl_fill_useful: bool = False
     """True: a step waits for groups_per_step groups that teach something (DAPO's dynamic
@@ -279,7 +285,8 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
                     "optim": {"lr": plan.rl_lr, "warmup_steps": plan.rl_warmup_steps},
                     "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
                     "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale,
-                             "credit_malformed": plan.rl_credit_malformed}},
+                             "credit_malformed": plan.rl_credit_malformed,
+                             "format_weight": plan.rl_format_weight}},
         "inference": {"model": str(model), "endpoints": [endpoint], "max_model_len": plan.max_model_len},
         "serve": {"host": "127.0.0.1", "port": port, "after": False},
     }
@@ -491,7 +498,7 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
 
 
 _AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0,
-              "rl_temperature": 1.0, "rl_warmup_steps": 0}
+              "rl_temperature": 1.0, "rl_warmup_steps": 0, "rl_format_weight": 0.0}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
 AFTER_RL = ("RL", "evaluate after RL", "SFT continued", "evaluate SFT continued")

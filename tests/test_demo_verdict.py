@@ -92,6 +92,12 @@ def test_the_rl_job_samples_at_its_temperature_and_evaluates_at_the_evaluations(
     assert cfg["rollouts"]["agent"]["sampling"]["temperature"] == 0.7
     assert cfg["eval"]["sampling"]["temperature"] == 0.5
     assert cfg["suite"]["instance_ids"] == [f"t{i}" for i in range(plan.demos, plan.demos + 8)]  # none demonstrated
+    import uuid
+
+    from service.rl import RLConfig, trainer_config
+
+    trainer = trainer_config(RLConfig.model_validate(cfg), tmp_path, tmp_path, ["http://127.0.0.1:1"], uuid.uuid4())
+    assert trainer["data"]["format_weight"] == plan.rl_format_weight > 0  # the trainer's own check took it
     old = asdict(LearnPlan()) | {"temperature": 1.0}
     del old["rl_temperature"]
     path = tmp_path / "results.json"

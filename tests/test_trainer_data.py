@@ -93,6 +93,34 @@ def test_negative_scale_shrinks_only_the_failures_push():
     assert seqs == [] and stats.zero_advantage_groups == 1
 
 
+def test_format_weight_ranks_a_groups_failures_by_their_well_formed_turns():
+    """Every sample failed: with format_weight the well-formed one rises against the malformed
+    ones; the recorded rewards (the batch's statistics) stay the grade's, and without the weight
+    the group teaches nothing, as before."""
+    def episode(i, reward, called):
+        turns = [turn(k, 3, 2, 10 * k) for k in range(len(called))]
+        for t, c in zip(turns, called):
+            t.called = c
+        return EpisodeData(uuid.uuid4(), i, "max_turns", reward, 0, turns)
+
+    def group(*episodes):
+        return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), list(episodes))
+
+    failed = group(episode(0, 0.0, [True, True, True]), episode(1, 0.0, [True, False, False]),
+                   episode(2, 0.0, [True, None, False]), episode(3, 0.0, [False, False, False]))
+    seqs, stats = sequences_from_groups([failed], DataConfig(format_weight=0.3, negative_scale=0.0))
+    # shares 1, 1/3, 2/3, 0 (unknown counts as well formed): mean 0.5, times 0.3
+    np.testing.assert_allclose([s.advantage for s in seqs], [0.15, 0.0, 0.05, 0.0], atol=1e-12)
+    assert stats.rewards == [0.0] * 4 and stats.zero_advantage_groups == 0
+    seqs, stats = sequences_from_groups([failed], DataConfig(negative_scale=0.0))
+    assert seqs == [] and stats.zero_advantage_groups == 1
+    mixed = group(episode(0, 1.0, [True, True, True]), episode(1, 0.0, [True, False, False]))
+    seqs, _ = sequences_from_groups([mixed], DataConfig(format_weight=0.3))
+    np.testing.assert_allclose([s.advantage for s in seqs], [0.6, -0.6], atol=1e-12)  # 1.3 against 0.1
+    with pytest.raises(ValueError, match="format_weight"):
+        DataConfig(format_weight=2.0)
+
+
 def test_packing_respects_boundaries_and_shifts_targets():
     seqs = episode_sequences([turn(0, 5, 3, 0)], 1.0) + episode_sequences([turn(0, 4, 4, 50)], -1.0) \
         + episode_sequences([turn(0, 10, 7, 200)], 0.5)

@@ -37,6 +37,12 @@ class DataConfig(BaseModel):
     """False: a turn without a well-formed tool call gets no positive advantage. An episode
     graded after it ran out of turns is rewarded for its fix even when its last turns were
     garbage; with credit, those turns are reinforced with the fix and the format erodes."""
+    format_weight: float = Field(0.0, ge=0, le=1)
+    """Added to an episode's reward, times the share of its turns with a well-formed tool call,
+    for its advantage only (the recorded reward, and the batch's reward statistics, stay the
+    grade's). A group every sample of which failed then still teaches: its well-formed samples
+    rise against its malformed ones (R1's format reward, here a fraction of the task's). Turns
+    whose form is unknown (TurnRecord.called None) count as well formed."""
 
 
 @dataclass
@@ -101,6 +107,11 @@ def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None
     return out
 
 
+def well_formed_share(turns: list[TurnRecord]) -> float:
+    """The share of `turns` not known to lack a well-formed tool call."""
+    return sum(t.called is not False for t in turns) / len(turns) if turns else 1.0
+
+
 def group_advantages_of(group, cfg: DataConfig) -> tuple[list, np.ndarray] | None:
     """The group's trainable episodes (rewarded, with turns) and their advantages; None when the
     group teaches nothing (no such episode, or every advantage zero)."""
@@ -109,7 +120,8 @@ def group_advantages_of(group, cfg: DataConfig) -> tuple[list, np.ndarray] | Non
         return None
     if cfg.advantage_one:
         return episodes, np.ones(len(episodes))
-    adv = group_advantages([float(e.reward) for e in episodes], cfg)
+    rewards = [float(e.reward) + cfg.format_weight * well_formed_share(e.turns) for e in episodes]
+    adv = group_advantages(rewards, cfg)
     adv = np.where(adv < 0, adv * cfg.negative_scale, adv)
     return None if np.all(np.abs(adv) < cfg.eps) else (episodes, adv)
 
