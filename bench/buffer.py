@@ -6,7 +6,12 @@ as before (earlier paths, timed after today's in the same run) stand beside them
 Episodes: ~131k tokens over 300 turns, int32 ids, float32 logprobs for sampled tokens, routed
 experts of a GLM-5-sized MoE (78 layers, top-8, uint8) for every token.
 
-    .venv/bin/python bench/buffer.py [--episodes 4] [--turns 300] [--tokens-per-turn 437]
+Every timed write or read starts after a CHECKPOINT: a run writes a few GB of WAL against
+max_wal_size's 1 GB, and a checkpoint falling inside one path and not the other moved the
+ceiling 1.8x between runs. With --rounds above 1, our buffer and COPY alternate which goes
+first, and the ratios are given per round and as their median.
+
+    .venv/bin/python bench/buffer.py [--episodes 4] [--turns 300] [--tokens-per-turn 437] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -83,21 +88,33 @@ async def _write_all(buffer: Buffer, ids: list[uuid.UUID], episodes: list[list[T
     return time.perf_counter() - start
 
 
-async def ours(url: str, episodes: list[list[TurnRecord]]) -> tuple[float, float]:
+def checkpoint(url: str) -> None:
+    """Flush what earlier paths wrote, so that no path pays for another's checkpoint."""
+    import psycopg
+
+    with psycopg.connect(db.sync_url(url).replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+        conn.execute("CHECKPOINT")
+
+
+async def ours(url: str, episodes: list[list[TurnRecord]], before: bool = True) -> tuple[float, float]:
     engine = db.make_async_engine(url, pool_size=8)
     try:
         ids = await setup(engine, len(episodes))
         buffer = Buffer(engine)
+        checkpoint(url)
         written = await _write_all(buffer, ids, episodes)
+        checkpoint(url)
         start = time.perf_counter()
         claim = await buffer.claim(len(ids), trainer_step=0, max_staleness=1)
         groups = await buffer.load(claim)
         read = time.perf_counter() - start
         assert sum(len(e.turns) for g in groups for e in g.episodes) == sum(len(t) for t in episodes)
-        n_turns = sum(len(t) for t in episodes)
-        BEFORE["read"] = await _read_as_before(buffer, claim.group_ids, n_turns, _per_episode)
-        BEFORE["copy rows"] = await _read_as_before(buffer, claim.group_ids, n_turns, _copy_rows)
-        BEFORE["write"] = await _write_as_before(engine, buffer, episodes)
+        if before:
+            n_turns = sum(len(t) for t in episodes)
+            BEFORE["read"] = await _read_as_before(buffer, claim.group_ids, n_turns, _per_episode)
+            BEFORE["copy rows"] = await _read_as_before(buffer, claim.group_ids, n_turns, _copy_rows)
+            checkpoint(url)
+            BEFORE["write"] = await _write_as_before(engine, buffer, episodes)
         return written, read
     finally:
         await engine.dispose()
@@ -212,6 +229,7 @@ def copy_ceiling(url: str, episodes: list[list[TurnRecord]], temp: bool = False)
         conn.execute(f"CREATE {'TEMP ' if temp else ''}TABLE raw_turns "
                      "(input_ids bytea, output_ids bytea, logprobs bytea, experts bytea)")
         conn.commit()
+        checkpoint(url)
         start = time.perf_counter()
         with conn.cursor().copy("COPY raw_turns FROM STDIN (FORMAT BINARY)") as copy:
             copy.set_types(["bytea"] * 4)
@@ -221,6 +239,7 @@ def copy_ceiling(url: str, episodes: list[list[TurnRecord]], temp: bool = False)
                                     t.routed_experts.tobytes()))
         conn.commit()
         written = time.perf_counter() - start
+        checkpoint(url)
         start = time.perf_counter()
         rows = 0
         with conn.cursor().copy("COPY raw_turns TO STDOUT (FORMAT BINARY)") as copy:
@@ -234,7 +253,7 @@ def copy_ceiling(url: str, episodes: list[list[TurnRecord]], temp: bool = False)
             with conn.cursor().copy("COPY raw_turns TO STDOUT (FORMAT BINARY)") as copy:
                 copy.set_types(["bytea"] * 4)
                 kept = list(copy.rows())
-            KEPT["read"] = time.perf_counter() - start
+            KEPT.setdefault("read", time.perf_counter() - start)  # the first round's, as the table's rows
             assert len(kept) == rows
             del kept
         conn.execute("DROP TABLE raw_turns")
@@ -257,15 +276,24 @@ async def main() -> None:
     parser.add_argument("--episodes", type=int, default=4)
     parser.add_argument("--turns", type=int, default=300)
     parser.add_argument("--tokens-per-turn", type=int, default=437)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times our buffer and COPY are timed, alternating which goes first")
     args = parser.parse_args()
     episodes = [make_turns(args.turns, args.tokens_per_turn, seed) for seed in range(args.episodes)]
     tokens = args.episodes * args.turns * args.tokens_per_turn
     mb = sum(t.routed_experts.nbytes + t.input_ids.nbytes + t.output_ids.nbytes + t.output_logprobs.nbytes
              for turns in episodes for t in turns) / 1e6
     url = make_database()
+    rounds = []
     try:
-        rows = {"swerve buffer": await ours(url, episodes), "COPY (ceiling)": copy_ceiling(url, episodes),
-                "COPY temp table": copy_ceiling(url, episodes, temp=True)}
+        for r in range(args.rounds):
+            timed = {}
+            for name in (("swerve buffer", "COPY (ceiling)") if r % 2 == 0 else ("COPY (ceiling)", "swerve buffer")):
+                timed[name] = (await ours(url, episodes, before=r == 0) if name == "swerve buffer"
+                               else copy_ceiling(url, episodes))
+            rounds.append(timed)
+        rows = dict(rounds[0])
+        rows["COPY temp table"] = copy_ceiling(url, episodes, temp=True)
         with tempfile.TemporaryDirectory() as tmp:
             rows["Parquet files"] = parquet(Path(tmp), episodes)
     finally:
@@ -286,6 +314,16 @@ async def main() -> None:
           f"{copy_r / BEFORE['read']:.2f}x of the ceiling")
     print(f"reads as before (psycopg's rows of the COPY): {tokens / BEFORE['copy rows']:.0f} tok/s, "
           f"{copy_r / BEFORE['copy rows']:.2f}x of the ceiling")
+    if len(rounds) > 1:
+        print("round  first           swerve in  COPY in  swerve out  COPY out  in ratio  out ratio")
+        ratios = []
+        for i, t in enumerate(rounds):
+            (sw, sr), (cw, cr) = t["swerve buffer"], t["COPY (ceiling)"]
+            ratios.append((cw / sw, cr / sr))
+            print(f"{i:5}  {next(iter(t)):15} {tokens / sw:9.0f} {tokens / cw:8.0f} {tokens / sr:11.0f} "
+                  f"{tokens / cr:9.0f} {cw / sw:9.2f} {cr / sr:10.2f}")
+        print(f"median over {len(rounds)} rounds: in {np.median([a for a, _ in ratios]):.2f}x, "
+              f"out {np.median([b for _, b in ratios]):.2f}x of the ceiling")
 
 
 if __name__ == "__main__":
