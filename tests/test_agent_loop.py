@@ -144,3 +144,39 @@ def test_a_tool_call_holding_a_lone_surrogate_gets_an_observation():
     parsed = parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\udcff"}}</tool_call>')
     assert parsed.call is None and "lone surrogate" in parsed.error
     assert parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\ud83d\\ude00"}}</tool_call>').call
+
+
+_SPECIAL = st.sampled_from(["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<|endoftext|>",
+                            "<think>", "\n", " ", "  ", "\t", "\r\n"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.one_of(st.text(st.characters(blacklist_categories=("Cs",)), max_size=40), _SPECIAL),
+                      max_size=8))
+def test_the_fast_encoder_gives_the_tokenizers_own_ids(tokenizer, parts):
+    """text_encoder goes straight to the Rust tokenizer (no transformers wrapping per call): the
+    same ids as tokenizer.encode(text, add_special_tokens=False) on any text, special tokens
+    included, or the loop's tokens would not be the ones the model sees."""
+    from service.fleet.client import text_encoder
+
+    encode = text_encoder(tokenizer)
+    assert encode.__name__ == "fast"  # the tiny model's tokenizer is a fast one: the direct path is taken
+    text = "".join(parts)
+    assert encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.backend_tokenizer.truncation is None  # the copy's setting stayed the copy's
+
+
+def test_the_fast_encoder_steps_aside_when_the_rust_tokenizer_truncates(tokenizer):
+    """A tokenizer.json with truncation set: transformers' encode turns it off per call, so the
+    direct path would cut long texts; the encoder falls back to the tokenizer's own encode."""
+    import copy
+
+    from service.fleet.client import text_encoder
+
+    truncating = copy.deepcopy(tokenizer)
+    truncating.backend_tokenizer.enable_truncation(max_length=4)
+    encode = text_encoder(truncating)
+    text = "a long text " * 20
+    assert encode.__name__ == "slow" and len(encode(text)) > 4
+    assert encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.backend_tokenizer.truncation is None  # the copy's setting stayed the copy's

@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal, Protocol
@@ -401,6 +402,36 @@ def load_tokenizer(path: str, wait_s: float | None = None):
         return _load_tokenizer(path)
     finally:
         _TOKENIZER_LOAD.release()
+
+
+_ENCODE_PROBE = ("<|im_start|>user\nfix `f(x) <= 1`: café, 数字, \t tabs  and  spaces\n<|im_end|>\n"
+                 "<tool_call>\n{\"name\": \"bash\", \"arguments\": {\"command\": \"ls -la\"}}\n</tool_call>"
+                 "<|endoftext|> \u00a0\r\n\x00")
+
+
+def text_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """`tokenizer.encode(text, add_special_tokens=False)` as a function, straight on the Rust
+    tokenizer when the tokenizer is a fast one: the same ids without transformers' batch
+    wrapping around each call (a third of an agent turn's encode, bench/rollouts.py). Checked
+    once on a probe with special tokens, unicode and odd whitespace against the tokenizer's
+    own encode; any difference (or truncation or padding set on the Rust tokenizer, which
+    transformers' encode turns off), and the tokenizer's own encode is used."""
+    def slow(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode") or getattr(backend, "truncation", None) is not None \
+            or getattr(backend, "padding", None) is not None:
+        return slow  # truncation or padding set in tokenizer.json: transformers turns them off per call
+
+    def fast(text: str) -> list[int]:
+        return backend.encode(text, add_special_tokens=False).ids
+
+    try:
+        same = fast(_ENCODE_PROBE) == slow(_ENCODE_PROBE) and fast("") == slow("")
+    except Exception:  # noqa: BLE001 - a backend that cannot encode the probe: the tokenizer's own encode
+        same = False
+    return fast if same else slow
 
 
 @lru_cache(maxsize=8)

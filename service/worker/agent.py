@@ -19,7 +19,7 @@ from sandboxes.base import SandboxError
 from service.store.buffer import StorageError
 from service.store.records import TurnRecord
 from service.store.status import EpisodeStatus
-from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams
+from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams, text_encoder
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
@@ -91,6 +91,7 @@ class TokenRenderer:
 
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tok, self.tools = tokenizer, tools
+        self.encode = text_encoder(tokenizer)
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         if self.eos_id is None or self.eos_id == tokenizer.unk_token_id:
             self.eos_id = tokenizer.eos_token_id
@@ -103,9 +104,6 @@ class TokenRenderer:
     def _text(self, messages: list[dict], generation: bool = False, tools: list[dict] | None = None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                             add_generation_prompt=generation)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

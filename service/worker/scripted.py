@@ -12,7 +12,7 @@ import asyncio
 import json
 
 from envs.task import Task
-from service.fleet.client import Generation, SamplingParams
+from service.fleet.client import Generation, SamplingParams, text_encoder
 
 GOLD_PATH = "/tmp/.swerve_gold.patch"
 
@@ -27,6 +27,7 @@ class ScriptedSampler:
     def __init__(self, tokenizer, actions: list[str], name: str = "replay", latency_s: float = 0.0):
         self.tok, self.actions, self.name, self.latency_s = tokenizer, list(actions), name, latency_s
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.encode = text_encoder(tokenizer)
         self.calls = 0
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
@@ -35,7 +36,7 @@ class ScriptedSampler:
             await asyncio.sleep(self.latency_s)
         text = self.actions[self.calls] if self.calls < len(self.actions) else tool_call_text("submit", {})
         self.calls += 1
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.eos_id]
+        ids = self.encode(text) + [self.eos_id]
         return Generation(output_ids=ids, output_logprobs=[0.0] * len(ids), finish_reason="stop",
                           policy_version=-1, policy_version_end=-1, server=self.name,
                           prompt_tokens=len(token_ids))
