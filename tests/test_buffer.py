@@ -327,3 +327,20 @@ async def test_a_write_the_database_refuses_is_a_storage_error(buffer):
         await buffer.finish_episode(episode_id, status="submitted", input_tokens=None)  # NOT NULL
     async with buffer.engine.connect() as conn:
         assert await conn.scalar(sa.select(Episode.status).where(Episode.id == episode_id)) == "running"
+
+
+async def test_a_runs_dataset_is_its_groups_in_their_order_in_the_run(buffer):
+    """trained_group_ids (SFT's fixed dataset) lists the run's trainable groups by their seq, not
+    by id: ids are random uuid4s, and two runs of one seed must take their demonstrations in the
+    same order. Pending groups are not part of it."""
+    groups = await make_groups(buffer.engine, 12, size=1)
+    await finish_all(buffer, groups[:10])
+    by_id = sorted(g for g, _ in groups)
+    async with buffer.engine.begin() as conn:  # seq runs against the ids' order
+        run_id = await conn.scalar(sa.select(Group.run_id).where(Group.id == by_id[0]))
+        for g in by_id:
+            await conn.execute(sa.update(Group).where(Group.id == g).values(seq=Group.seq + 100))
+        for seq, g in enumerate(reversed(by_id)):
+            await conn.execute(sa.update(Group).where(Group.id == g).values(seq=seq))
+    ready = {g for g, _ in groups[:10]}
+    assert await buffer.trained_group_ids(run_id) == [g for g in reversed(by_id) if g in ready]

@@ -520,11 +520,13 @@ class Buffer:
 
     async def trained_group_ids(self, run_id: uuid.UUID) -> list[uuid.UUID]:
         """The run's groups that are (or were) there to train on: ready, claimed or consumed;
-        in a fixed order. A dataset for training on the same trajectories more than once."""
+        in their order in the run (seq), the same for every run of the same plan. A dataset for
+        training on the same trajectories more than once. (By id, a random uuid4, two SFT runs of
+        one seed took their demonstrations in different orders: 0.373 and 0.416 after SFT.)"""
         async with self.engine.connect() as conn:
             return list((await conn.execute(sa.select(Group.id).where(
                 Group.run_id == run_id, Group.status.in_(("ready", "claimed", "consumed")))
-                .order_by(Group.id))).scalars())
+                .order_by(Group.seq))).scalars())
 
     async def load(self, claim: Claim) -> list[GroupData]:
         """The claimed groups with their episodes and decoded turns."""
