@@ -1,13 +1,15 @@
 """Where the buffer's writes lose to COPY: the same turn bytes (bench/buffer.py's 4 episodes x 300 turns)
 written into a bare table of uuid, int and four bytea columns by binary COPY and by INSERTs executemany'd
 in a pipeline, four rows at a time, each with and without a unique index on (episode, idx) and ON CONFLICT;
-a CHECKPOINT before each, two rounds. Sync psycopg, one connection, one transaction per path.
+a CHECKPOINT before each, two rounds. Sync psycopg, one connection, one transaction per path; then
+the same batches on an async psycopg connection (as the buffer's writer sends them).
 
     .venv/bin/python bench/buffer_paths.py
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from pathlib import Path
@@ -55,8 +57,21 @@ def main() -> None:
             for k in range(0, len(rows), 4):
                 cur.executemany("INSERT INTO p VALUES (%s, %s, %s, %s, %s, %s)" + extra, rows[k:k + 4])
 
+    async def insert_async(ddl):
+        async with await psycopg.AsyncConnection.connect(conninfo) as conn:
+            await conn.execute("DROP TABLE IF EXISTS p; " + ddl)
+            await conn.commit()
+            bb.checkpoint(url)
+            start = time.perf_counter()
+            async with conn.pipeline(), conn.cursor() as cur:
+                for k in range(0, len(rows), 4):
+                    await cur.executemany("INSERT INTO p VALUES (%s, %s, %s, %s, %s, %s)", rows[k:k + 4])
+            await conn.commit()
+            return time.perf_counter() - start
+
     try:
         for _ in range(2):
+            print(f"{'INSERT, batches of 4, async connection':48} {tokens / asyncio.run(insert_async(plain)):10.0f} tok/s")
             run("COPY", plain, copy)
             run("COPY, unique index", indexed, copy)
             run("INSERT, batches of 4", plain, insert)
