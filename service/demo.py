@@ -96,7 +96,8 @@ class LearnPlan:
     copying, accuracy on random-token repeats 0.98 before and after)."""
     rl_steps: int = 12
     """About 21 minutes on 2 cores (AMD EPYC; a step of 128 samples about 105 s with the trainer
-    beside it), within the 30 minutes with rl_time_limit_s as the bound. Before warmup and the
+    beside it), 27 with rl_format_weight 0.2 (more groups teach, so steps train longer; the time
+    limit let the twelfth finish), within the 30 minutes with rl_time_limit_s as the bound. Before warmup and the
     lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
     job with the same settings saw its held-out evaluation fall (0.219 at v0, 0.109 at v5, 0.078
     at v10) and was stopped at step 12: the run-to-run spread at lr 3e-4 is as large as the gain."""
