@@ -412,9 +412,9 @@ _ENCODE_PROBE = ("<|im_start|>user\nfix `f(x) <= 1`: café, 数字, \t tabs  and
 def text_encoder(tokenizer) -> Callable[[str], list[int]]:
     """`tokenizer.encode(text, add_special_tokens=False)` as a function, straight on the Rust
     tokenizer when the tokenizer is a fast one: the same ids without transformers' batch
-    wrapping around each call (a third of an agent turn's encode, bench/rollouts.py). Checked
-    once on a probe with special tokens, unicode and odd whitespace against the tokenizer's
-    own encode; any difference (or truncation or padding set on the Rust tokenizer, which
+    wrapping around each call (a third of the time of encoding a 750-character observation, in a
+    probe on the tiny model's tokenizer). Checked once on a probe with special tokens, unicode
+    and odd whitespace against the tokenizer's own encode; any difference (or truncation or padding set on the Rust tokenizer, which
     transformers' encode turns off), and the tokenizer's own encode is used."""
     def slow(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
