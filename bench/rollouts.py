@@ -12,7 +12,9 @@ turn overhead beyond model latency and tool time.
 With --profile FOLDER the worker is sampled by py-spy (100 Hz) during the last concurrency: a flame
 graph (worker.svg), the collapsed stacks (worker.txt), and the worker's CPU split into phases
 (each sample goes to the innermost frame that names one: sandbox, grading, database, Celery,
-agent loop with tokenizer and chat template, else other).
+agent loop with tokenizer and chat template, else other). py-spy samples the thread holding the
+GIL (--gil): by default it counts every thread it finds runnable, and a thread blocked in a
+pipe write or waitpid without the GIL drew most samples while using little CPU (2026-12-04).
 
     .venv/bin/python bench/rollouts.py [--concurrency 64 128 256 512] [--turns 10] [--latency 1.0]
                                        [--profile bench/profiles]
@@ -163,7 +165,7 @@ async def main(args) -> None:
             if args.profile and i == len(args.concurrency) - 1:  # warm: the worker's start-up is behind it
                 args.profile.mkdir(parents=True, exist_ok=True)
                 pyspy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-                spy = [subprocess.Popen([pyspy or "py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", fmt,
+                spy = [subprocess.Popen([pyspy or "py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", fmt, "--gil",
                                          "-o", str(args.profile / f"worker.{ext}"), "--nonblocking"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                        for fmt, ext in (("raw", "txt"), ("flamegraph", "svg"))]

@@ -181,6 +181,48 @@ async def test_concurrent_claimers_never_share_a_group(migrated_pg_url):
         await engine.dispose()
 
 
+async def test_episodes_ending_at_the_same_time_make_their_group_ready_once(migrated_pg_url):
+    """The last episodes of a group ending at once, each on its own connection: whichever commits
+    last sees the others final, so every group becomes ready, with its oldest policy version."""
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url, pool_size=8)
+    try:
+        buffer = Buffer(engine)
+        groups = await make_groups(engine, 12, size=6, version=5)
+        async with engine.begin() as conn:  # one episode of each group sampled from an older policy
+            await conn.execute(sa.update(Episode).where(Episode.id.in_([e[3] for _, e in groups]))
+                               .values(policy_version_min=3))
+        ended = await asyncio.gather(*(buffer.finish_episode(e, status="submitted", reward=1.0)
+                                       for _, episodes in groups for e in episodes))
+        assert all(ended)
+        async with engine.connect() as conn:
+            rows = (await conn.execute(sa.select(Group.status, Group.min_policy_version, Group.ready_at)
+                                       .where(Group.id.in_([g for g, _ in groups])))).all()
+        assert [(r.status, r.min_policy_version) for r in rows] == [("ready", 3)] * 12
+        assert all(r.ready_at is not None for r in rows)
+    finally:
+        await engine.dispose()
+
+
+async def test_an_end_with_turns_missing_changes_nothing(buffer):
+    """An episode that produced more turns than the database holds (lost in a crash) is not
+    made final, and its group not ready: the worker starts it over."""
+    from service.store.buffer import TurnsLost
+
+    [(group_id, episodes)] = await make_groups(buffer.engine, 1, size=1)
+    await buffer.append_turn(episodes[0], turn(0))
+    with pytest.raises(TurnsLost, match="2 turns produced, 1 stored"):
+        await buffer.finish_episode(episodes[0], status="submitted", reward=1.0, n_turns=2)
+    async with buffer.engine.connect() as conn:
+        assert await conn.scalar(sa.select(Episode.status).where(Episode.id == episodes[0])) == "running"
+        assert await conn.scalar(sa.select(Group.status).where(Group.id == group_id)) == "pending"
+    await buffer.append_turn(episodes[0], turn(1))
+    assert await buffer.finish_episode(episodes[0], status="submitted", reward=1.0, n_turns=2)
+    assert (await buffer.stats())["ready"] == 1
+
+
 async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_own_fate(migrated_pg_url):
     """Group commit on PostgreSQL: the turns many episodes append at once are written in a few
     transactions, not one each, and every caller still gets its own outcome: stored exactly, a

@@ -121,3 +121,36 @@ async def test_real_sandboxes_wait_for_a_slot(tmp_path, monkeypatch):
 
     assert await asyncio.gather(*(episode(i) for i in range(5))) == [f"{i}\n" for i in range(5)]
     assert peak == 2
+
+
+async def test_a_slot_given_back_in_the_process_wakes_its_waiter_without_polling(tmp_path, monkeypatch):
+    """A process does not try the slots it holds itself (an open and a failing flock each, polled
+    while it waits), and the slot one of its sandboxes gives back goes to its first waiter at once."""
+    monkeypatch.setenv("SWERVE_SANDBOX_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("SWERVE_SANDBOX_MAX_LIVE", "2")
+    monkeypatch.setenv("SWERVE_SANDBOX_STARTS_PER_S", "1000")
+    tries, take = [], admission._take_slot
+    monkeypatch.setattr(admission, "_take_slot", lambda *a: tries.append(a) or take(*a))
+    monkeypatch.setattr(admission.random, "random", lambda: 1.0)  # polls 0.03, 0.09, ... 1.89, 3.39 s into a wait
+    release, inside, released, entered = asyncio.Event(), [], [], []
+
+    async def holder() -> None:
+        async with admission.admitted():
+            inside.append(True)
+            await release.wait()
+            released.append(time.monotonic())
+
+    async def waiter() -> None:
+        async with admission.admitted():
+            entered.append(time.monotonic())
+
+    holders = [asyncio.create_task(holder()) for _ in range(2)]
+    while len(inside) < 2:
+        await asyncio.sleep(0.01)
+    waiting = asyncio.create_task(waiter())
+    await asyncio.sleep(2.0)  # its backoff has grown to about a second by now
+    assert len(tries) == 2 and not entered  # both slots are this process's: nothing tried while it waits
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*holders, waiting), 10)
+    assert len(tries) == 3  # woken by the first slot given back, it took a slot with one try
+    assert entered[0] - released[0] < 0.5  # not at its next poll, 1.4 s after the release

@@ -425,35 +425,37 @@ class Buffer:
         if attempt is not None:
             where.append(Episode.attempt == attempt)
         values = {name: storable(value) for name, value in fields.items()}
+        returning = [Episode.group_id]
+        if fields.get("n_turns") is not None:  # read in the same statement: its turns were all committed before
+            returning.append(sa.select(sa.func.count()).select_from(Turn)
+                             .where(Turn.episode_id == episode_id).scalar_subquery())
         with _refusals(f"the end of episode {episode_id}"):
             async with self.engine.begin() as conn:
-                updated = await conn.execute(
-                    sa.update(Episode).where(*where).values(finished_at=utcnow(), **values).returning(Episode.group_id))
-                group_id = updated.scalar_one_or_none()
-                if group_id is None:
+                ended = (await conn.execute(
+                    sa.update(Episode).where(*where).values(finished_at=utcnow(), **values).returning(*returning))).first()
+                if ended is None:
                     return False
-                if fields.get("n_turns") is not None:
-                    stored = await conn.scalar(sa.select(sa.func.count()).select_from(Turn)
-                                               .where(Turn.episode_id == episode_id))
-                    if stored != fields["n_turns"]:
-                        raise TurnsLost(f"episode {episode_id}: {fields['n_turns']} turns produced, {stored} stored")
-                await self._maybe_ready(conn, group_id)
+                if fields.get("n_turns") is not None and ended[1] != fields["n_turns"]:
+                    raise TurnsLost(f"episode {episode_id}: {fields['n_turns']} turns produced, {ended[1]} stored")
+                await self._maybe_ready(conn, ended[0])
         return True
 
     async def _maybe_ready(self, conn: AsyncConnection, group_id: uuid.UUID) -> None:
+        """The group becomes ready (evaluated, for an evaluation's) once none of its episodes is
+        pending. Two statements: the lock serialises the last two finishers of a group, and the
+        update's check must be a statement of its own, begun after the lock is held, so that its
+        snapshot sees the other finisher's committed end (read committed takes a snapshot per
+        statement; a check inside the locking statement would see the one from before the wait)."""
         lock = sa.select(Group.id).where(Group.id == group_id)
         if conn.dialect.name == "postgresql":
             lock = lock.with_for_update()
-        await conn.execute(lock)  # serialise the last two finishers of a group
-        pending = await conn.scalar(sa.select(sa.func.count()).select_from(Episode).where(
-            Episode.group_id == group_id, Episode.status.not_in(EPISODE_FINAL)))
-        if pending:
-            return
-        oldest = await conn.scalar(sa.select(sa.func.min(Episode.policy_version_min))
-                                   .where(Episode.group_id == group_id))
-        kind = await conn.scalar(sa.select(Run.kind).join(Group, Group.run_id == Run.id).where(Group.id == group_id))
-        await conn.execute(sa.update(Group).where(Group.id == group_id, Group.status == "pending").values(
-            status="evaluated" if kind == "eval" else "ready", ready_at=utcnow(), min_policy_version=oldest))
+        await conn.execute(lock)
+        mine = Episode.group_id == group_id
+        pending = sa.exists().where(mine, Episode.status.not_in(EPISODE_FINAL))
+        oldest = sa.select(sa.func.min(Episode.policy_version_min)).where(mine).scalar_subquery()
+        kind = sa.select(Run.kind).where(Run.id == Group.run_id).scalar_subquery()
+        await conn.execute(sa.update(Group).where(Group.id == group_id, Group.status == "pending", ~pending).values(
+            status=sa.case((kind == "eval", "evaluated"), else_="ready"), ready_at=utcnow(), min_policy_version=oldest))
 
     async def claim(self, n_groups: int, *, trainer_step: int, max_staleness: int,
                     lease_s: float = 600.0, run_id: uuid.UUID | None = None,
