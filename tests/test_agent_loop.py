@@ -180,3 +180,26 @@ def test_the_fast_encoder_steps_aside_when_the_rust_tokenizer_truncates(tokenize
     assert encode.__name__ == "slow" and len(encode(text)) > 4
     assert encode(text) == tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.backend_tokenizer.truncation is None  # the copy's setting stayed the copy's
+
+
+def test_a_first_prompt_is_encoded_once_and_given_out_as_a_fresh_list(tokenizer):
+    """A group's samples start from the same prompt: the renderer encodes it once, gives each
+    episode its own list (one episode's changes are not the next one's prompt), and a prompt
+    of other text is encoded anew."""
+    renderer = TokenRenderer(tokenizer, TOOLS)
+    calls = []
+    encode = renderer.encode
+    renderer.encode = lambda text: calls.append(text) or encode(text)
+    first = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "f(2) gives 3, not 4"}]
+
+    def want(messages):
+        text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    a = renderer.initial(first)
+    a.append(-1)
+    b = renderer.initial(first)
+    assert b == want(first) and len(calls) == 1
+    other = [first[0], {"role": "user", "content": "g(2) gives 3, not 4"}]
+    assert renderer.initial(other) == want(other)
+    assert len(calls) == 2

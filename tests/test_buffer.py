@@ -223,6 +223,46 @@ async def test_an_end_with_turns_missing_changes_nothing(buffer):
     assert (await buffer.stats())["ready"] == 1
 
 
+async def test_the_turn_writers_own_connection_comes_back_after_a_loss_and_closes_with_the_engine(migrated_pg_url):
+    """Turns go through a connection of the writer's own, outside the pool: killed (a restart,
+    a failover), the batch it was writing fails as a lost connection (the worker retries it)
+    and the next batch opens another; disposing of the engine closes it."""
+    from service.store.buffer import TURN_WRITER
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url)
+    admin = db.make_engine(migrated_pg_url, isolation_level="AUTOCOMMIT")
+    mine = sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :name AND datname = current_database()")
+
+    def writers() -> list[int]:
+        with admin.connect() as conn:
+            return list(conn.execute(mine, {"name": TURN_WRITER}).scalars())
+
+    try:
+        buffer = Buffer(engine)
+        [(_, [episode])] = await make_groups(engine, 1, size=1)
+        await buffer.append_turn(episode, turn(0), attempt=0)
+        [first] = writers()
+        with admin.connect() as conn:
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
+        with pytest.raises(sa.exc.OperationalError):
+            await buffer.append_turn(episode, turn(1), attempt=0)
+        await buffer.append_turn(episode, turn(1), attempt=0)
+        await buffer.append_turn(episode, turn(1), attempt=0)  # a repeat of a stored turn: nothing more, no error
+        assert [p for p in writers() if p != first] and len(writers()) == 1
+        assert await buffer.finish_episode(episode, attempt=0, status="submitted", n_turns=2)
+        await engine.dispose()
+        for _ in range(50):  # a closed connection's backend exits a moment later
+            if not writers():
+                break
+            await asyncio.sleep(0.1)
+        assert writers() == []
+    finally:
+        await engine.dispose()
+        admin.dispose()
+
+
 async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_own_fate(migrated_pg_url):
     """Group commit on PostgreSQL: the turns many episodes append at once are written in a few
     transactions, not one each, and every caller still gets its own outcome: stored exactly, a

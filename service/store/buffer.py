@@ -262,6 +262,10 @@ def _copy_turns(conninfo: str, episode_ids: list[uuid.UUID]) -> list[tuple]:
     return rows.result()
 
 
+TURN_WRITER = "swerve turn writer"
+"""The application_name of a process's turn-writing connection (pg_stat_activity shows it)."""
+
+
 class _TurnWriter:
     """Group commit of the turns a process's episodes append on PostgreSQL at the same time.
     The first turn is written at once; turns that arrive while a write is in flight go together
@@ -269,7 +273,14 @@ class _TurnWriter:
     worker with many episodes in flight pays a round trip per batch instead of per turn. Each
     caller still learns what became of its own turn (stored, or not: a repeat or a fenced-off
     attempt) or gets its own error: a batch the database refuses is written again turn by turn,
-    so one bad turn fails only its episode."""
+    so one bad turn fails only its episode.
+
+    The writer has a connection of its own, outside the engine's pool (its batches go one at a
+    time): no checkout, ping and reset around each batch, and synchronous_commit is set once. It
+    is in autocommit mode, and a batch is one pipeline of inserts ended by one Sync, which
+    PostgreSQL runs as one transaction (committed at the Sync, or rolled back whole on an error):
+    one round trip, where BEGIN (psycopg waits for it in a pipeline) and COMMIT made three. A
+    lost connection is dropped and the next batch opens another; it is closed with the engine."""
 
     MAX_ROWS = 64
     MAX_BYTES = 32 << 20
@@ -280,15 +291,37 @@ class _TurnWriter:
         self.loop = asyncio.get_running_loop()
         self.queue: list[tuple[dict, int | None, asyncio.Future]] = []
         self.drainer: asyncio.Task | None = None
+        self.raw = None  # its psycopg.AsyncConnection, opened by the first batch
 
     @classmethod
     def of(cls, engine: AsyncEngine) -> _TurnWriter:
         """The engine's writer on the running loop (an engine serves one loop at a time)."""
         writer = getattr(engine.sync_engine, "_swerve_turn_writer", None)
         if writer is None or writer.loop is not asyncio.get_running_loop():
+            if writer is None:
+                sa.event.listen(engine.sync_engine, "engine_disposed", _close_turn_writer)
+            else:  # the engine moved to another loop: its writer's connection belongs to the old one
+                writer.close()
             writer = cls(engine)
             engine.sync_engine._swerve_turn_writer = writer
         return writer
+
+    def close(self) -> None:
+        """Close the connection now, from any thread (libpq's own close: the loop that opened
+        it may be gone)."""
+        raw, self.raw = self.raw, None
+        if raw is not None and not raw.closed:
+            raw.pgconn.finish()
+
+    async def _connection(self):
+        import psycopg
+
+        if self.raw is None or self.raw.closed:
+            conninfo = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            raw = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name=TURN_WRITER)
+            await raw.execute("SET synchronous_commit TO OFF")
+            self.raw = raw
+        return self.raw
 
     async def append(self, row: dict, attempt: int | None) -> bool:
         """Whether the turn was stored (False: a repeat, or `attempt` is not the running one)."""
@@ -331,11 +364,12 @@ class _TurnWriter:
                 done.set_result(ok)
 
     async def _store(self, rows: list[tuple[dict, int | None]]) -> list[bool]:
-        """The turns in one transaction and one round trip: the commit mode, the inserts (fenced
-        by their attempt where they have one) and the commit in one pipeline. A turn is durable
-        once the server has it; waiting for its WAL flush on every turn would cap a worker at a
-        few hundred turns/s (episode ends stay synchronous, and an episode end checks that all
-        its turns are there)."""
+        """The turns in one transaction and one round trip: the inserts (fenced by their attempt
+        where they have one) pipelined up to one Sync (see the class; a batch with turns of both
+        kinds is two). A turn is durable once the
+        server has it; waiting for its WAL flush on every turn would cap a worker at a few hundred
+        turns/s (episode ends stay synchronous, and an episode end checks that all its turns are
+        there)."""
         import psycopg
         from psycopg.types.json import Jsonb
 
@@ -344,26 +378,30 @@ class _TurnWriter:
         kinds = [(_PG_APPEND + _PG_RETURNING, [i for i, p in enumerate(params) if p["attempt"] is not None]),
                  (_PG_APPEND_UNFENCED + _PG_RETURNING, [i for i, p in enumerate(params) if p["attempt"] is None])]
         stored = [False] * len(rows)
-        async with self.engine.begin() as conn:
-            raw = (await conn.get_raw_connection()).driver_connection
-            try:
-                async with raw.pipeline():
-                    await raw.execute("SET LOCAL synchronous_commit TO OFF")
-                    cursors = []
-                    for statement, at in kinds:
-                        if at:
-                            cur = raw.cursor()
-                            await cur.executemany(statement, [params[i] for i in at], returning=True)
-                            cursors.append((cur, at))
-                    await raw.commit()
-                    for cur, at in cursors:  # read before the pipeline's exit, which resets them
+        try:
+            raw = await self._connection()
+            for statement, at in kinds:  # fenced, then unfenced (turns of no attempt: rare, not the worker's)
+                if at:
+                    async with raw.cursor() as cur:  # a pipeline of its own, ended by one Sync
+                        await cur.executemany(statement, [params[i] for i in at], returning=True)
                         for i in at:
                             stored[i] = cur.rowcount > 0
                             cur.nextset()
-                        await cur.close()
-            except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
-                raise sa.exc.DBAPIError.instance(_PG_APPEND, None, e, psycopg.Error, hide_parameters=True) from e
+        except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
+            if self.raw is not None and self.raw.broken:
+                self.close()
+            raise sa.exc.DBAPIError.instance(_PG_APPEND, None, e, psycopg.Error, hide_parameters=True) from e
+        except BaseException:  # cancelled mid-batch: the connection is in an unknown state
+            self.close()
+            raise
         return stored
+
+
+def _close_turn_writer(engine: sa.Engine) -> None:
+    writer = getattr(engine, "_swerve_turn_writer", None)
+    if writer is not None:
+        writer.close()
+        engine._swerve_turn_writer = None
 
 
 def _row_bytes(row: dict) -> int:

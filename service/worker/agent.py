@@ -10,7 +10,9 @@ and the trainer never re-tokenizes. A template that cannot extend its previous r
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -89,9 +91,14 @@ class MemoryTurnSink:
 class TokenRenderer:
     """Renders messages to token ids incrementally with a Hugging Face tokenizer's template."""
 
+    PROMPTS = 64
+    """First prompts kept encoded (by their text): a group's samples of a task, started together,
+    begin from the same prompt, which is encoded once."""
+
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tok, self.tools = tokenizer, tools
         self.encode = text_encoder(tokenizer)
+        self._prompt = lru_cache(maxsize=self.PROMPTS)(lambda text: array("i", self.encode(text)))
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         if self.eos_id is None or self.eos_id == tokenizer.unk_token_id:
             self.eos_id = tokenizer.eos_token_id
@@ -116,7 +123,7 @@ class TokenRenderer:
         return self._text(convo, tools=self.tools).startswith(shorter)
 
     def initial(self, messages: list[dict]) -> list[int]:
-        return self.encode(self._text(messages, generation=True, tools=self.tools))
+        return self._prompt(self._text(messages, generation=True, tools=self.tools)).tolist()
 
     def continuation(self, new_messages: list[dict], ended_with_eos: bool) -> list[int]:
         """Tokens the template adds after a sampled assistant turn and these new messages."""
