@@ -33,6 +33,7 @@ async def hold(i):
     print(json.dumps([asked, entered, left]), flush=True)
 
 async def main():
+    await asyncio.sleep(max(0.0, float(sys.argv[3]) - time.time()))  # every process asks at the same instant
     await asyncio.gather(*(hold(i) for i in range(int(sys.argv[1]))))
 
 asyncio.run(main())
@@ -41,7 +42,8 @@ asyncio.run(main())
 
 def holders(tmp_path: Path, processes: int, each: int, hold_s: float, **env) -> list[list[float]]:
     environ = os.environ | {"SWERVE_SANDBOX_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)} | env
-    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, str(each), str(hold_s)], env=environ,
+    start = time.time() + 3.0  # after every process has started, even on a busy machine
+    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, str(each), str(hold_s), str(start)], env=environ,
                               stdout=subprocess.PIPE, text=True) for _ in range(processes)]
     spans = []
     for p in procs:
@@ -79,7 +81,7 @@ def test_starts_are_paced_across_processes(tmp_path):
 
 def test_a_killed_process_gives_its_slot_back(tmp_path, monkeypatch):
     env = os.environ | {"SWERVE_SANDBOX_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "SWERVE_SANDBOX_MAX_LIVE": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, "1", "600"], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, "1", "600", "0"], env=env)
     monkeypatch.setenv("SWERVE_SANDBOX_DIR", str(tmp_path))  # where _folder() looks, as the child does
     try:
         folder = admission._folder()

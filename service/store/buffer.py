@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import lru_cache
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -262,6 +263,10 @@ def _copy_turns(conninfo: str, episode_ids: list[uuid.UUID]) -> list[tuple]:
     return rows.result()
 
 
+_NOT_FINAL = Episode.status.not_in([sa.literal_column(f"'{s}'") for s in EPISODE_FINAL])
+"""An episode not yet final, its statuses written into the SQL: as a parameter list, SQLAlchemy
+expanded them into the statement on every execution (a tenth of the worker's database time)."""
+
 TURN_WRITER = "swerve turn writer"
 """The application_name of a process's turn-writing connection (pg_stat_activity shows it)."""
 
@@ -408,6 +413,45 @@ def _row_bytes(row: dict) -> int:
     return sum(len(v) for v in row.values() if isinstance(v, (bytes, str)))
 
 
+@lru_cache(maxsize=64)
+def _episode_end(names: tuple[str, ...], fenced: bool, counted: bool) -> sa.Update:
+    """finish_episode's statement for these fields, built once: its values and ids are bound
+    parameters (v_<field>, p_episode, p_attempt, p_now; no column's name, which an
+    UPDATE would take for a value to set), so SQLAlchemy neither builds nor keys it per
+    call. Returns the group's id, and with `counted` the episode's stored turns, read in the
+    same statement (its turns were all committed before)."""
+    where = [Episode.id == sa.bindparam("p_episode"), _NOT_FINAL]
+    if fenced:
+        where.append(Episode.attempt == sa.bindparam("p_attempt"))
+    returning = [Episode.group_id]
+    if counted:
+        returning.append(sa.select(sa.func.count()).select_from(Turn)
+                         .where(Turn.episode_id == sa.bindparam("p_episode")).scalar_subquery())
+    return (sa.update(Episode).where(*where)
+            .values(finished_at=sa.bindparam("p_now"), **{name: sa.bindparam(f"v_{name}") for name in names})
+            .returning(*returning))
+
+
+_GROUP_ROW = sa.select(Group.id).where(Group.id == sa.bindparam("p_group"))
+_GROUP_LOCK = _GROUP_ROW.with_for_update()
+_GROUP_READY = (  # once none of its episodes is pending; statuses, oldest policy and kind read by the statement
+    sa.update(Group).where(Group.id == sa.bindparam("p_group"), Group.status == "pending",
+                           ~sa.exists().where(Episode.group_id == sa.bindparam("p_group"), _NOT_FINAL))
+    .values(status=sa.case((sa.select(Run.kind).where(Run.id == Group.run_id).scalar_subquery() == "eval", "evaluated"),
+                           else_="ready"),
+            ready_at=sa.bindparam("p_now"),
+            min_policy_version=sa.select(sa.func.min(Episode.policy_version_min))
+            .where(Episode.group_id == sa.bindparam("p_group")).scalar_subquery()))
+
+
+_ATTEMPT_START = (sa.update(Episode).where(Episode.id == sa.bindparam("p_episode"),
+                                           Episode.status == sa.bindparam("p_status"),
+                                           Episode.attempt == sa.bindparam("p_attempt"))
+                  .values(status="running", started_at=sa.bindparam("p_now"), heartbeat_at=sa.bindparam("p_now"),
+                          attempt=sa.bindparam("p_next")))
+"""start_attempt's claim: the episode as the worker saw it (status, attempt) becomes its next attempt."""
+
+
 class Buffer:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
@@ -459,18 +503,12 @@ class Buffer:
         refuses the fields, TurnsLost if fewer than `n_turns` turns are stored."""
         if fields.get("status") not in EPISODE_FINAL:
             raise ValueError(f"status must be one of {EPISODE_FINAL}, got {fields.get('status')!r}")
-        where = [Episode.id == episode_id, Episode.status.not_in(EPISODE_FINAL)]
-        if attempt is not None:
-            where.append(Episode.attempt == attempt)
-        values = {name: storable(value) for name, value in fields.items()}
-        returning = [Episode.group_id]
-        if fields.get("n_turns") is not None:  # read in the same statement: its turns were all committed before
-            returning.append(sa.select(sa.func.count()).select_from(Turn)
-                             .where(Turn.episode_id == episode_id).scalar_subquery())
+        statement = _episode_end(tuple(fields), attempt is not None, fields.get("n_turns") is not None)
+        params = {"p_episode": episode_id, "p_attempt": attempt, "p_now": utcnow(),
+                  **{f"v_{name}": storable(value) for name, value in fields.items()}}
         with _refusals(f"the end of episode {episode_id}"):
             async with self.engine.begin() as conn:
-                ended = (await conn.execute(
-                    sa.update(Episode).where(*where).values(finished_at=utcnow(), **values).returning(*returning))).first()
+                ended = (await conn.execute(statement, params)).first()
                 if ended is None:
                     return False
                 if fields.get("n_turns") is not None and ended[1] != fields["n_turns"]:
@@ -484,16 +522,8 @@ class Buffer:
         update's check must be a statement of its own, begun after the lock is held, so that its
         snapshot sees the other finisher's committed end (read committed takes a snapshot per
         statement; a check inside the locking statement would see the one from before the wait)."""
-        lock = sa.select(Group.id).where(Group.id == group_id)
-        if conn.dialect.name == "postgresql":
-            lock = lock.with_for_update()
-        await conn.execute(lock)
-        mine = Episode.group_id == group_id
-        pending = sa.exists().where(mine, Episode.status.not_in(EPISODE_FINAL))
-        oldest = sa.select(sa.func.min(Episode.policy_version_min)).where(mine).scalar_subquery()
-        kind = sa.select(Run.kind).where(Run.id == Group.run_id).scalar_subquery()
-        await conn.execute(sa.update(Group).where(Group.id == group_id, Group.status == "pending", ~pending).values(
-            status=sa.case((kind == "eval", "evaluated"), else_="ready"), ready_at=utcnow(), min_policy_version=oldest))
+        await conn.execute(_GROUP_LOCK if conn.dialect.name == "postgresql" else _GROUP_ROW, {"p_group": group_id})
+        await conn.execute(_GROUP_READY, {"p_group": group_id, "p_now": utcnow()})
 
     async def claim(self, n_groups: int, *, trainer_step: int, max_staleness: int,
                     lease_s: float = 600.0, run_id: uuid.UUID | None = None,
@@ -655,9 +685,9 @@ class Buffer:
         worker took it first."""
         restart = seen_status == "running"
         attempt = seen_attempt + restart
-        claimed = await conn.execute(sa.update(Episode).where(
-            Episode.id == episode_id, Episode.status == seen_status, Episode.attempt == seen_attempt,
-        ).values(status="running", started_at=utcnow(), heartbeat_at=utcnow(), attempt=attempt))
+        now = utcnow()
+        claimed = await conn.execute(_ATTEMPT_START, {"p_episode": episode_id, "p_status": seen_status,
+                                                      "p_attempt": seen_attempt, "p_next": attempt, "p_now": now})
         if claimed.rowcount != 1:
             return None
         if restart:  # after the attempt moved, so the old attempt can add nothing more

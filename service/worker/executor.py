@@ -75,9 +75,7 @@ async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
     """Claim the episode for this worker as a new attempt; None if there is nothing to do
     (final, or running under a live worker: a duplicate message)."""
     async with engine.begin() as conn:
-        row = (await conn.execute(sa.select(Episode.status, Episode.attempt, Episode.heartbeat_at, Episode.task_id,
-                                            Episode.run_id, Run.status.label("run_status"), Run.config)
-                                  .join(Run, Run.id == Episode.run_id).where(Episode.id == episode_id))).first()
+        row = (await conn.execute(_EPISODE, {"p_episode": episode_id})).first()
         if row is None or row.status in EPISODE_FINAL:
             return None
         restart = row.status == "running"
@@ -88,8 +86,15 @@ async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
         attempt = await Buffer.start_attempt(conn, episode_id, seen_status=row.status, seen_attempt=row.attempt)
         if attempt is None:
             return None  # another worker got it first
-        task = (await conn.execute(sa.select(Task).where(Task.id == row.task_id))).one()
+        task = (await conn.execute(_TASK, {"p_task": row.task_id})).one()
     return row, task, attempt
+
+
+# built once, their ids bound per call: SQLAlchemy neither builds nor keys them per episode
+_EPISODE = (sa.select(Episode.status, Episode.attempt, Episode.heartbeat_at, Episode.task_id, Episode.run_id,
+                      Run.status.label("run_status"), Run.config)
+            .join(Run, Run.id == Episode.run_id).where(Episode.id == sa.bindparam("p_episode")))
+_TASK = sa.select(Task).where(Task.id == sa.bindparam("p_task"))
 
 
 def _aware(ts: datetime) -> datetime:
