@@ -303,10 +303,10 @@ class _TurnWriter:
         """The engine's writer on the running loop (an engine serves one loop at a time)."""
         writer = getattr(engine.sync_engine, "_swerve_turn_writer", None)
         if writer is None or writer.loop is not asyncio.get_running_loop():
-            if writer is None:
-                sa.event.listen(engine.sync_engine, "engine_disposed", _close_turn_writer)
-            else:  # the engine moved to another loop: its writer's connection belongs to the old one
+            if writer is not None:  # the engine moved to another loop: its writer's connection was the old one's
                 writer.close()
+            if not sa.event.contains(engine.sync_engine, "engine_disposed", _close_turn_writer):
+                sa.event.listen(engine.sync_engine, "engine_disposed", _close_turn_writer)
             writer = cls(engine)
             engine.sync_engine._swerve_turn_writer = writer
         return writer
@@ -371,10 +371,9 @@ class _TurnWriter:
     async def _store(self, rows: list[tuple[dict, int | None]]) -> list[bool]:
         """The turns in one transaction and one round trip: the inserts (fenced by their attempt
         where they have one) pipelined up to one Sync (see the class; a batch with turns of both
-        kinds is two). A turn is durable once the
-        server has it; waiting for its WAL flush on every turn would cap a worker at a few hundred
-        turns/s (episode ends stay synchronous, and an episode end checks that all its turns are
-        there)."""
+        kinds is two). A turn is durable once the server has it; waiting for its WAL flush on
+        every turn would cap a worker at a few hundred turns/s (episode ends stay synchronous,
+        and an episode end checks that all its turns are there)."""
         import psycopg
         from psycopg.types.json import Jsonb
 
