@@ -89,17 +89,21 @@ def _take_slot(folder: Path, limit: int, skip: frozenset[int] = frozenset()) -> 
 
 class _Local:
     """What this process knows of the slots: the ones it holds (per folder), and its sandboxes
-    waiting for one (FIFO, across its event loops). The flocks stay the truth: this only spares
-    tries that must fail and waits that need not last."""
+    waiting for one (FIFO per folder, across its event loops). The flocks stay the truth: this
+    only spares tries that must fail and waits that need not last."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.held: dict[Path, set[int]] = {}
-        self.waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self.waiters: dict[Path, deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
+        self.given_back = 0
+        """Slots this process gave back so far: a waiter that read it before its try and finds it
+        moved tries again at once (the slot came back between its try and its wait)."""
 
-    def holding(self, folder: Path) -> frozenset[int]:
+    def holding(self, folder: Path) -> tuple[frozenset[int], int]:
+        """The slots held here, and the count of slots given back (for `wait`)."""
         with self.lock:
-            return frozenset(self.held.get(folder, ()))
+            return frozenset(self.held.get(folder, ())), self.given_back
 
     def took(self, folder: Path, slot: int) -> None:
         with self.lock:
@@ -109,31 +113,47 @@ class _Local:
         with self.lock:
             self.held.get(folder, set()).discard(slot)
             os.close(fd)  # releases the flock: the slot is free for the next sandbox
-            while self.waiters:
-                loop, woken = self.waiters.popleft()
-                if not woken.done():
-                    try:
-                        loop.call_soon_threadsafe(_wake, woken)
-                        break
-                    except RuntimeError:  # its loop is closed
-                        continue
+            self.given_back += 1
+        self._wake_next(folder)
 
-    async def wait(self, timeout: float) -> None:
-        """Until this process gives a slot back (polling finds the others'); TimeoutError."""
-        entry = (asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+    def _wake_next(self, folder: Path) -> None:
         with self.lock:
-            self.waiters.append(entry)
+            queue = self.waiters.get(folder)
+            while queue:
+                loop, woken = queue.popleft()
+                try:
+                    loop.call_soon_threadsafe(self._deliver, folder, woken)
+                    return
+                except RuntimeError:  # its loop is closed
+                    continue
+
+    def _deliver(self, folder: Path, woken: asyncio.Future) -> None:
+        if woken.done():  # its waiter left meanwhile (a timeout, a cancel): the next one is woken
+            self._wake_next(folder)
+        else:
+            woken.set_result(None)
+
+    async def wait(self, folder: Path, timeout: float, seen: int) -> None:
+        """Until this process gives a slot of `folder` back, or at once if one came back since
+        the caller read `seen` (holding()); polling finds the other processes'. TimeoutError."""
+        loop = asyncio.get_running_loop()
+        entry = (loop, loop.create_future())
+        with self.lock:
+            if self.given_back != seen:
+                return
+            self.waiters.setdefault(folder, deque()).append(entry)
         try:
-            await asyncio.wait_for(entry[1], timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancel once woken
+                await entry[1]
+        except BaseException:
+            if entry[1].done() and not entry[1].cancelled():  # woken, yet leaving: the wake goes on
+                self._wake_next(folder)
+            raise
         finally:
             with self.lock:
-                if entry in self.waiters:
-                    self.waiters.remove(entry)
-
-
-def _wake(woken: asyncio.Future) -> None:
-    if not woken.done():
-        woken.set_result(None)
+                queue = self.waiters.get(folder)
+                if queue and entry in queue:
+                    queue.remove(entry)
 
 
 _local = _Local()
@@ -180,7 +200,7 @@ async def admitted(what: str = "sandbox", pace: bool = True) -> AsyncIterator[No
     folder, limit, rate = _folder(), max_live(), starts_per_s()
     asked, delay, warned = time.monotonic(), 0.02, False
     while True:
-        skip = _local.holding(folder)
+        skip, seen = _local.holding(folder)
         # on the loop, not a thread: an open of a local file and a flock that never blocks, a few
         # microseconds each, where the hop to a thread and back cost the worker more (2026-12-04)
         if len(skip) < limit and (got := _take_slot(folder, limit, skip)) is not None:
@@ -189,7 +209,7 @@ async def admitted(what: str = "sandbox", pace: bool = True) -> AsyncIterator[No
             logger.info("%s waits: %d sandboxes are alive on this host (%s)", what, limit, MAX_LIVE_ENV)
             warned = True
         try:
-            await _local.wait(delay * (0.5 + random.random()))
+            await _local.wait(folder, delay * (0.5 + random.random()), seen)
         except TimeoutError:
             delay = min(delay * 2, 1.0)
     slot, fd = got

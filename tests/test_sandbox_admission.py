@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,28 @@ async def test_a_slot_given_back_in_the_process_wakes_its_waiter_without_polling
     await asyncio.wait_for(asyncio.gather(*holders, waiting), 10)
     assert len(tries) == 3  # woken by the first slot given back, it took a slot with one try
     assert entered[0] - released[0] < 0.5  # not at its next poll, 1.4 s after the release
+
+
+async def test_a_waiter_cancelled_as_it_is_woken_stays_cancelled_and_passes_the_slot_on(tmp_path):
+    """A sandbox start cancelled (its run cancelled) just as a given-back slot wakes it: it ends
+    cancelled, not admitted, and the next waiter is woken in its place instead of polling."""
+    local, folder = admission._Local(), tmp_path
+    first = asyncio.create_task(local.wait(folder, 30, seen=0))
+    second = asyncio.create_task(local.wait(folder, 30, seen=0))
+    await asyncio.sleep(0)  # both wait
+    local.took(folder, 0)
+    local.give_back(folder, 0, os.open(tmp_path / "live-0.lock", os.O_RDWR | os.O_CREAT, 0o600))
+    await asyncio.sleep(0)  # the wake is delivered to the first waiter, which has not resumed yet
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.wait_for(second, 2)  # woken, not at its 30 s timeout
+    assert local.waiters[folder] == deque()
+
+
+async def test_a_slot_given_back_between_a_try_and_a_wait_is_not_missed(tmp_path):
+    local, folder = admission._Local(), tmp_path
+    _, seen = local.holding(folder)
+    local.took(folder, 0)
+    local.give_back(folder, 0, os.open(tmp_path / "live-0.lock", os.O_RDWR | os.O_CREAT, 0o600))
+    await asyncio.wait_for(local.wait(folder, 30, seen), 2)  # returns at once: look again

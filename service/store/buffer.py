@@ -297,6 +297,7 @@ class _TurnWriter:
         self.queue: list[tuple[dict, int | None, asyncio.Future]] = []
         self.drainer: asyncio.Task | None = None
         self.raw = None  # its psycopg.AsyncConnection, opened by the first batch
+        self.retired = False  # no longer its engine's (disposed, or moved to another loop): closes once drained
 
     @classmethod
     def of(cls, engine: AsyncEngine) -> _TurnWriter:
@@ -304,12 +305,18 @@ class _TurnWriter:
         writer = getattr(engine.sync_engine, "_swerve_turn_writer", None)
         if writer is None or writer.loop is not asyncio.get_running_loop():
             if writer is not None:  # the engine moved to another loop: its writer's connection was the old one's
-                writer.close()
+                writer.retire()
             if not sa.event.contains(engine.sync_engine, "engine_disposed", _close_turn_writer):
                 sa.event.listen(engine.sync_engine, "engine_disposed", _close_turn_writer)
             writer = cls(engine)
             engine.sync_engine._swerve_turn_writer = writer
         return writer
+
+    def retire(self) -> None:
+        """Close the connection, and again once batches still queued are written (a new writer
+        serves the engine from now on)."""
+        self.retired = True
+        self.close()
 
     def close(self) -> None:
         """Close the connection now, from any thread (libpq's own close: the loop that opened
@@ -324,7 +331,11 @@ class _TurnWriter:
         if self.raw is None or self.raw.closed:
             conninfo = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
             raw = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name=TURN_WRITER)
-            await raw.execute("SET synchronous_commit TO OFF")
+            try:
+                await raw.execute("SET synchronous_commit TO OFF")
+            except BaseException:
+                raw.pgconn.finish()
+                raise
             self.raw = raw
         return self.raw
 
@@ -352,6 +363,8 @@ class _TurnWriter:
             raise
         finally:
             self.drainer = None
+            if self.retired:
+                self.close()
 
     async def _write(self, batch: list[tuple[dict, int | None, asyncio.Future]]) -> None:
         try:
@@ -404,7 +417,7 @@ class _TurnWriter:
 def _close_turn_writer(engine: sa.Engine) -> None:
     writer = getattr(engine, "_swerve_turn_writer", None)
     if writer is not None:
-        writer.close()
+        writer.retire()
         engine._swerve_turn_writer = None
 
 
