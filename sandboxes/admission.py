@@ -67,12 +67,6 @@ def _folder() -> Path:
     return folder
 
 
-def _try_slot(folder: Path, limit: int) -> int | None:
-    """An open fd holding the flock of a free slot, or None when all `limit` are held."""
-    got = _take_slot(folder, limit)
-    return None if got is None else got[1]
-
-
 def _take_slot(folder: Path, limit: int, skip: frozenset[int] = frozenset()) -> tuple[int, int] | None:
     """(the slot, an open fd holding its flock) of a free slot not in `skip`, or None."""
     for i in random.sample(range(limit), limit):

@@ -87,16 +87,16 @@ def test_a_killed_process_gives_its_slot_back(tmp_path, monkeypatch):
     try:
         folder = admission._folder()
         deadline = time.monotonic() + 30
-        while (fd := admission._try_slot(folder, 1)) is not None and time.monotonic() < deadline:
-            os.close(fd)  # free still: give it back and look again once the child has started
+        while (got := admission._take_slot(folder, 1)) is not None and time.monotonic() < deadline:
+            os.close(got[1])  # free still: give it back and look again once the child has started
             time.sleep(0.05)
-        assert fd is None  # the child holds the only slot
+        assert got is None  # the child holds the only slot
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    fd = admission._try_slot(folder, 1)
-    assert fd is not None
-    os.close(fd)
+    got = admission._take_slot(folder, 1)
+    assert got is not None
+    os.close(got[1])
 
 
 @pytest.mark.parametrize(("name", "value"), [("SWERVE_SANDBOX_MAX_LIVE", "0"), ("SWERVE_SANDBOX_MAX_LIVE", "many"),
