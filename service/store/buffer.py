@@ -25,6 +25,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from service.store.db import libpq_url
 from service.store.records import TurnRecord, decode_array, encode_ids, encode_logprobs, encode_routed_experts
 from service.store.tables import Episode, Group, Policy, Run, Turn, utcnow
 from service.store.status import EPISODE_FINAL, RUN_ACTIVE, EpisodeStatus, RunKind, RunStatus
@@ -241,8 +242,7 @@ async def _fetch_turns(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> l
         query = (sa.select(*_TURN_COLUMNS, _CALLED).where(Turn.episode_id.in_(episode_ids))
                  .order_by(Turn.episode_id, Turn.idx))
         return [tuple(r) for r in (await conn.execute(query)).all()]
-    conninfo = conn.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    return await asyncio.to_thread(_copy_turns, conninfo, list(episode_ids))
+    return await asyncio.to_thread(_copy_turns, libpq_url(conn.engine.url), list(episode_ids))
 
 
 def _copy_turns(conninfo: str, episode_ids: list[uuid.UUID]) -> list[tuple]:
@@ -329,8 +329,8 @@ class _TurnWriter:
         import psycopg
 
         if self.raw is None or self.raw.closed:
-            conninfo = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-            raw = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name=TURN_WRITER)
+            raw = await psycopg.AsyncConnection.connect(libpq_url(self.engine.url), autocommit=True,
+                                                        application_name=TURN_WRITER)
             try:
                 await raw.execute("SET synchronous_commit TO OFF")
             except BaseException:

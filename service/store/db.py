@@ -28,6 +28,11 @@ def async_url(url: str) -> str:
     return u.set(drivername=driver).render_as_string(hide_password=False)
 
 
+def libpq_url(url) -> str:
+    """A PostgreSQL URL (str or sqlalchemy URL) as libpq takes it, for psycopg used directly."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 def _prepare_sqlite_file(url: str) -> None:
     database = make_url(url).database
     if database and database != ":memory:":
