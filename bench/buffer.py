@@ -120,6 +120,22 @@ async def ours(url: str, episodes: list[list[TurnRecord]], before: bool = True) 
         await engine.dispose()
 
 
+def _statements_before() -> tuple[str, str]:
+    """A turn's INSERT as it was before 2026-12-04 evening (one statement per turn), fenced and not."""
+    from service.store.buffer import _PG_COLUMNS
+
+    names = ", ".join(_PG_COLUMNS)
+    values = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
+    unfenced = f"INSERT INTO turns ({names}) VALUES ({values}) ON CONFLICT (episode_id, idx) DO NOTHING"
+    fenced = (f"INSERT INTO turns ({names}) SELECT {values} WHERE EXISTS (SELECT 1 FROM episodes WHERE "
+              "id = %(episode_id)s::uuid AND attempt = %(attempt)s::integer AND status = 'running' FOR SHARE) "
+              "ON CONFLICT (episode_id, idx) DO NOTHING")
+    return fenced, unfenced
+
+
+_APPEND_BEFORE, _APPEND_UNFENCED_BEFORE = _statements_before()
+
+
 async def _write_as_before(engine, buffer: Buffer, episodes: list[list[TurnRecord]]) -> float:
     """The same turns written as before 2026-12-04 (a transaction and a round trip per turn,
     no batching across episodes), into episodes of their own, after today's writes and reads."""
@@ -136,7 +152,7 @@ async def _write_as_before(engine, buffer: Buffer, episodes: list[list[TurnRecor
                 raw = (await conn.get_raw_connection()).driver_connection
                 params = {**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
                           "attempt": attempt}
-                statement = module._PG_APPEND if attempt is not None else module._PG_APPEND_UNFENCED
+                statement = _APPEND_BEFORE if attempt is not None else _APPEND_UNFENCED_BEFORE
                 async with raw.pipeline(), raw.cursor() as cur:
                     await cur.execute("SET LOCAL synchronous_commit TO OFF")
                     await cur.execute(statement, params, prepare=True)

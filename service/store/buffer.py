@@ -21,6 +21,7 @@ from datetime import timedelta
 from functools import lru_cache
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -145,17 +146,18 @@ _PG_COLUMNS = {  # column: type, cast explicitly (INSERT ... SELECT does not inf
     "n_output_tokens": "integer", "policy_version": "integer", "finish_reason": "varchar", "text": "text",
     "tool_call": "jsonb", "observation": "text", "started_at": "timestamptz", "generation_s": "float8",
     "tool_s": "float8"}
-_PG_VALUES = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
-_PG_APPEND_UNFENCED = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) VALUES ({_PG_VALUES}) "
-                       "ON CONFLICT (episode_id, idx) DO NOTHING")
-# the episode row is share-locked: a restart (which moves the attempt, then deletes the turns)
-# waits for this turn, and this turn is refused once the attempt moved
-_PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) SELECT {_PG_VALUES} "
-              "WHERE EXISTS (SELECT 1 FROM episodes WHERE id = %(episode_id)s::uuid AND attempt = %(attempt)s::integer "
-              "AND status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING")
-
-_PG_RETURNING = " RETURNING 1"
-"""One row back per turn stored: the write of many turns learns which of them were stored."""
+_PG_NAMES = ", ".join(f'"{c}"' for c in _PG_COLUMNS)
+_PG_APPEND = (  # a batch of turns as one statement: a parameter per column, an array of the batch's values each
+    f"INSERT INTO turns ({_PG_NAMES}) SELECT {_PG_NAMES} FROM unnest("
+    + ", ".join(f"%({c})b::{t}[]" if t == "bytea" else f"%({c})s::{t}[]" for c, t in _PG_COLUMNS.items())
+    + f", %(attempt)s::integer[]) AS t({_PG_NAMES}, attempt) "
+    # a turn with an attempt share-locks its episode's row: a restart (which moves the attempt,
+    # then deletes the turns) waits for this batch, and the turn is refused once the attempt moved
+    "WHERE t.attempt IS NULL OR EXISTS (SELECT 1 FROM episodes e WHERE e.id = t.episode_id "
+    "AND e.attempt = t.attempt AND e.status = 'running' FOR SHARE) "
+    "ON CONFLICT (episode_id, idx) DO NOTHING RETURNING episode_id, idx")
+"""The turns stored come back by key: a turn not among them was a repeat (of a stored turn, or
+of one earlier in the batch) or fenced off."""
 
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
                  Turn.output_logprobs, Turn.routed_experts, Turn.policy_version)
@@ -282,10 +284,9 @@ class _TurnWriter:
 
     The writer has a connection of its own, outside the engine's pool (its batches go one at a
     time): no checkout, ping and reset around each batch, and synchronous_commit is set once. It
-    is in autocommit mode, and a batch is one pipeline of inserts ended by one Sync, which
-    PostgreSQL runs as one transaction (committed at the Sync, or rolled back whole on an error):
-    one round trip, where BEGIN (psycopg waits for it in a pipeline) and COMMIT made three. A
-    lost connection is dropped and the next batch opens another; it is closed with the engine."""
+    is in autocommit mode, and a batch is one INSERT of arrays (_PG_APPEND), its own transaction:
+    one round trip, where BEGIN and COMMIT made three. A lost connection is dropped and the next
+    batch opens another; it is closed with the engine."""
 
     MAX_ROWS = 64
     MAX_BYTES = 32 << 20
@@ -382,28 +383,22 @@ class _TurnWriter:
                 done.set_result(ok)
 
     async def _store(self, rows: list[tuple[dict, int | None]]) -> list[bool]:
-        """The turns in one transaction and one round trip: the inserts (fenced by their attempt
-        where they have one) pipelined up to one Sync (see the class; a batch with turns of both
-        kinds is two). A turn is durable once the server has it; waiting for its WAL flush on
-        every turn would cap a worker at a few hundred turns/s (episode ends stay synchronous,
-        and an episode end checks that all its turns are there)."""
+        """The turns in one statement (_PG_APPEND: one transaction, one round trip, and one
+        result however many turns, where a statement per turn cost the worker a tenth of its CPU
+        in psycopg's pipeline). A turn is durable once the server has it; waiting for its WAL
+        flush on every turn would cap a worker at a few hundred turns/s (episode ends stay
+        synchronous, and an episode end checks that all its turns are there)."""
         import psycopg
         from psycopg.types.json import Jsonb
 
-        params = [{**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
-                   "attempt": attempt} for row, attempt in rows]
-        kinds = [(_PG_APPEND + _PG_RETURNING, [i for i, p in enumerate(params) if p["attempt"] is not None]),
-                 (_PG_APPEND_UNFENCED + _PG_RETURNING, [i for i, p in enumerate(params) if p["attempt"] is None])]
-        stored = [False] * len(rows)
+        params = {name: [row[name] for row, _ in rows] for name in _PG_COLUMNS}
+        params["tool_call"] = [None if call is None else Jsonb(call) for call in params["tool_call"]]
+        params["attempt"] = [attempt for _, attempt in rows]
         try:
             raw = await self._connection()
-            for statement, at in kinds:  # fenced, then unfenced (turns of no attempt: rare, not the worker's)
-                if at:
-                    async with raw.cursor() as cur:  # a pipeline of its own, ended by one Sync
-                        await cur.executemany(statement, [params[i] for i in at], returning=True)
-                        for i in at:
-                            stored[i] = cur.rowcount > 0
-                            cur.nextset()
+            async with raw.cursor() as cur:
+                await cur.execute(_PG_APPEND, params)
+                stored = set(await cur.fetchall())
         except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
             if self.raw is not None and self.raw.broken:
                 self.close()
@@ -411,7 +406,12 @@ class _TurnWriter:
         except BaseException:  # cancelled mid-batch: the connection is in an unknown state
             self.close()
             raise
-        return stored
+        out = []
+        for row, _ in rows:  # a turn twice in the batch: the first was stored, the second is a repeat
+            key = (row["episode_id"], row["idx"])
+            out.append(key in stored)
+            stored.discard(key)
+        return out
 
 
 def _close_turn_writer(engine: sa.Engine) -> None:
@@ -462,6 +462,10 @@ _ATTEMPT_START = (sa.update(Episode).where(Episode.id == sa.bindparam("p_episode
                   .values(status="running", started_at=sa.bindparam("p_now"), heartbeat_at=sa.bindparam("p_now"),
                           attempt=sa.bindparam("p_next")))
 """start_attempt's claim: the episode as the worker saw it (status, attempt) becomes its next attempt."""
+
+_HEARTBEAT_PG = (sa.update(Episode)
+                 .where(Episode.id == sa.any_(sa.bindparam("p_ids", type_=ARRAY(sa.Uuid))), Episode.status == "running")
+                 .values(heartbeat_at=sa.bindparam("p_now")).returning(Episode.id, Episode.attempt))
 
 
 class Buffer:
@@ -719,6 +723,8 @@ class Buffer:
     @staticmethod
     async def heartbeat(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> dict[uuid.UUID, int]:
         """Mark running episodes alive; their current attempts (a missing id is no longer running)."""
+        if conn.dialect.name == "postgresql":  # one array, not a parameter per episode to expand each beat
+            return dict((await conn.execute(_HEARTBEAT_PG, {"p_ids": episode_ids, "p_now": utcnow()})).all())
         return dict((await conn.execute(
             sa.update(Episode).where(Episode.id.in_(episode_ids), Episode.status == "running")
             .values(heartbeat_at=utcnow()).returning(Episode.id, Episode.attempt))).all())
