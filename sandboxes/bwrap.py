@@ -22,7 +22,7 @@ from sandboxes.base import SandboxError, SandboxLimits, path_with_env
 from sandboxes.cgroups import CgroupError, Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
 from sandboxes.netns import SLIRP_DNS, NetworkError, UserNet, read_child_pid
-from sandboxes.reaper import Owner, PeriodicReaper, remove_state, state_root
+from sandboxes.reaper import Owner, PeriodicReaper, remove_state, remove_state_now, state_root
 from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where bwrap, already unprivileged, finds the sandbox's state: the state folder is bound here in
 # the sandbox's private mount namespace, as its own parents need not be open to the host uid.
 VIEW = "/run/swerve-sandbox"
+# the sandbox's /etc/passwd and /etc/group, written into its state by the launcher (_LAUNCH)
+PASSWD = (f"root:x:0:0::/root:/usr/sbin/nologin\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/tmp:/bin/bash\n"
+          "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n")
+GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
 
 
 def host_uid() -> int:
@@ -64,6 +68,8 @@ elif [ -n "$SWERVE_LOWER" ]; then
 else
   mount --bind "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/merged"
 fi
+printf %s "$SWERVE_PASSWD" > "$SWERVE_STATE/passwd"
+printf %s "$SWERVE_GROUP" > "$SWERVE_STATE/group"
 mount --rbind "$SWERVE_STATE" "$SWERVE_VIEW"
 exec setpriv --reuid="$SWERVE_UID" --regid="$SWERVE_UID" --clear-groups --inh-caps=-all -- "$@"' sh "$@"
 """
@@ -125,8 +131,6 @@ class BwrapSandbox(ShellSandbox):
                 argv += ["--ro-bind", f"{VIEW}/{name}", "/etc/resolv.conf"]
             else:
                 argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-        self._passwd()
-        self._group()
         argv += ["--ro-bind", f"{VIEW}/passwd", "/etc/passwd", "--ro-bind", f"{VIEW}/group", "/etc/group"]
         for path in cfg.ro_binds:
             argv += ["--ro-bind", path, path]
@@ -139,18 +143,6 @@ class BwrapSandbox(ShellSandbox):
                  "bash", "--noprofile", "--norc", "-c", SUPERVISOR]
         return argv
 
-    def _passwd(self) -> Path:
-        path = self.state / "passwd"
-        path.write_text(f"root:x:0:0::/root:/usr/sbin/nologin\n"
-                        f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/tmp:/bin/bash\n"
-                        "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n")
-        return path
-
-    def _group(self) -> Path:
-        path = self.state / "group"
-        path.write_text(f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
-        return path
-
     async def _start_shell(self) -> None:
         for sub in ("rw", "merged"):
             (self.state / sub).mkdir(exist_ok=True)
@@ -159,7 +151,8 @@ class BwrapSandbox(ShellSandbox):
                "SWERVE_CGROUP_PROCS": " ".join(self.cgroups.procs_files),
                "SWERVE_DISK_MB": str(self.limits.disk_mb), "SWERVE_UID": str(host_uid()),
                "SWERVE_LOWER": str(self.config.root) if self.config.root else "",
-               "SWERVE_WRITABLE": "1" if self.config.writable_root and self.config.root else ""}
+               "SWERVE_WRITABLE": "1" if self.config.writable_root and self.config.root else "",
+               "SWERVE_PASSWD": PASSWD, "SWERVE_GROUP": GROUP}
         fds: dict[str, int] = {}
         if self.limits.network:
             (fds["info_r"], fds["info_w"]), (fds["block_r"], fds["block_w"]) = os.pipe(), os.pipe()
@@ -224,5 +217,6 @@ class BwrapSandbox(ShellSandbox):
             await self.shell.kill()
         if self.net is not None:
             await self.net.close()
-        await asyncio.to_thread(remove_state, self.state, Owner(0, None, 0, 0, cgroups=[str(p) for p in self.cgroups.paths]))
+        if not remove_state_now(self.state, self.cgroups):  # its processes are still dying: kill and wait apart
+            await asyncio.to_thread(remove_state, self.state, Owner(0, None, 0, 0, cgroups=[str(p) for p in self.cgroups.paths]))
         logger.info("sandbox down", extra={"sandbox": self.id, "episode": self.config.episode})

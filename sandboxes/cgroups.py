@@ -115,6 +115,18 @@ class Cgroups:
                     self._freeze(False)
             time.sleep(0.01)
 
+    def remove_if_empty(self) -> bool:
+        """Remove the folders if no process is left in any (without killing or waiting); whether
+        they are all gone."""
+        for path in self.paths:
+            try:
+                path.rmdir()  # the kernel refuses (EBUSY) while a process, even a dying one, is in it
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return False
+        return True
+
     def destroy(self) -> None:
         """Kill what is left and remove the folders (retrying while the kernel lets go)."""
         self.kill_all()

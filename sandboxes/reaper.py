@@ -14,7 +14,8 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from sandboxes.cgroups import Cgroups
@@ -37,6 +38,12 @@ def process_start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+@lru_cache(maxsize=4)
+def _start_time_of(pid: int) -> int | None:
+    """This process's start time, read once per pid (a fork child asks with its own)."""
+    return process_start_time(pid)
+
+
 @dataclass
 class Owner:
     pid: int
@@ -50,7 +57,7 @@ class Owner:
     @classmethod
     def me(cls, lifetime_s: float, kind: str = "sandbox", episode: str | None = None) -> Owner:
         pid = os.getpid()
-        return cls(pid, process_start_time(pid), time.time(), lifetime_s, kind, episode)
+        return cls(pid, _start_time_of(pid), time.time(), lifetime_s, kind, episode)
 
     def alive(self) -> bool:
         return process_start_time(self.pid) == self.start_time
@@ -60,7 +67,7 @@ class Owner:
 
     def write(self, folder: Path) -> None:
         tmp = folder / "owner.json.tmp"
-        tmp.write_text(json.dumps(asdict(self)))
+        tmp.write_text(json.dumps({**vars(self), "cgroups": list(self.cgroups)}))  # asdict deep-copies
         tmp.replace(folder / "owner.json")
 
 
@@ -68,6 +75,15 @@ def remove_state(folder: Path, owner: Owner | None) -> None:
     if owner is not None and owner.cgroups:
         Cgroups([Path(p) for p in owner.cgroups]).destroy()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_state_now(folder: Path, cgroups: Cgroups | None) -> bool:
+    """remove_state when it need not wait: False (nothing removed) while a cgroup still holds a
+    process, dying or not, for remove_state on a thread to kill and wait for."""
+    if cgroups is not None and not cgroups.remove_if_empty():
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True
 
 
 def reap_local(root: Path | None = None, prefixes: tuple[str, ...] = ("swb-", ".build-")) -> list[str]:
