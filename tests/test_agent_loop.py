@@ -126,6 +126,34 @@ class HistoryRewritingTokenizer:
         return self.tok.apply_chat_template(kept, **kw)
 
 
+class ToolTrimmingTokenizer(HistoryRewritingTokenizer):
+    """A template that strips a tool message's content: not verbatim, so not framed."""
+
+    def apply_chat_template(self, messages, **kw):
+        kept = [{**m, "content": m["content"].strip()} if m["role"] == "tool" else m for m in messages]
+        return self.tok.apply_chat_template(kept, **kw)
+
+
+@pytest.mark.parametrize("trimming", [False, True])
+def test_an_observation_is_framed_only_where_the_template_renders_it_verbatim(tokenizer, trimming):
+    """The renderer puts an observation between the text the template writes around a tool
+    message, where the template takes its content as it is (the tiny model's Qwen3 template); a
+    template that changes it (strips it) is rendered each time. Either way the tokens are the
+    template's own."""
+    tok = ToolTrimmingTokenizer(tokenizer) if trimming else tokenizer
+    renderer = TokenRenderer(tok, TOOLS)
+    assert renderer.extends and (renderer._tool_frame is None) == trimming
+    dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    for observation in ["  out\n", "", "{{ not jinja }}", "<tool_response>\n</tool_response>\n"]:
+        tool = {"role": "tool", "content": observation}
+        base = tok.apply_chat_template(dummy, tokenize=False)
+        full = tok.apply_chat_template(dummy + [tool], tokenize=False, add_generation_prompt=True)
+        assert full.startswith(base)
+        rest = renderer.after_assistant
+        assert renderer.continuation([tool], ended_with_eos=False) == tokenizer.encode(
+            rest + full[len(base):], add_special_tokens=False)
+
+
 async def test_template_that_rewrites_history_starts_new_segments(tokenizer):
     tok = HistoryRewritingTokenizer(tokenizer)
     renderer = TokenRenderer(tok, TOOLS)

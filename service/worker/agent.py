@@ -24,6 +24,12 @@ from service.store.status import EpisodeStatus
 from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams, text_encoder
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+_TOOL_MARK = "\x00TOOL\x00"
+_TOOL_PROBES = ("", "x", "  two spaces around  ", "\n\nlines\n\n", "a\tb\r\nc", "{{ x }} {% if y %}{# z #}",
+                "<tool_response>\n</tool_response>", "<think>a</think>b", "<|im_end|>\n<|im_start|>user",
+                "<tool_call>{}</tool_call>", "ü € 𝄞 \\ \" '")
+"""Observations a template might treat apart (whitespace, its own markup, Jinja syntax): a
+tool message's rendering is taken as text around its content only if these go in verbatim."""
 
 
 class AgentConfig(BaseModel):
@@ -107,6 +113,7 @@ class TokenRenderer:
         self.after_assistant = marked[marked.index("\x00MARK\x00") + len("\x00MARK\x00"):]
         self._dummy_text = self._text(_DUMMY)
         self.extends = self._probe()
+        self._tool_frame = self._frame_tool() if self.extends else None
 
     def _text(self, messages: list[dict], generation: bool = False, tools: list[dict] | None = None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
@@ -122,6 +129,23 @@ class TokenRenderer:
         shorter = self._text(convo[:3], tools=self.tools)
         return self._text(convo, tools=self.tools).startswith(shorter)
 
+    def _after_assistant(self, messages: list[dict]) -> str:
+        return self._text(_DUMMY + messages, generation=True)[len(self._dummy_text):]
+
+    def _frame_tool(self) -> tuple[str, str] | None:
+        """The template's text before and after one tool message's content (after an assistant
+        turn, to the next generation prompt) when it renders the content verbatim: an
+        observation's rendering is then two concatenations, not a template render (a tenth of
+        the agent loop's CPU). None: the template is rendered each time."""
+        text = self._after_assistant([{"role": "tool", "content": _TOOL_MARK}])
+        if text.count(_TOOL_MARK) != 1:
+            return None
+        before, after = text.split(_TOOL_MARK)
+        if any(self._after_assistant([{"role": "tool", "content": probe}]) != before + probe + after
+               for probe in _TOOL_PROBES):
+            return None
+        return before, after
+
     def initial(self, messages: list[dict]) -> list[int]:
         return self._prompt(self._text(messages, generation=True, tools=self.tools)).tolist()
 
@@ -130,8 +154,11 @@ class TokenRenderer:
         rest = self.after_assistant
         if ended_with_eos and rest.startswith(self.eos_text):
             rest = rest[len(self.eos_text):]
-        delta = self._text(_DUMMY + new_messages, generation=True)[len(self._dummy_text):]
-        return self.encode(rest + delta)
+        if (self._tool_frame is not None and len(new_messages) == 1 and new_messages[0].keys() == {"role", "content"}
+                and new_messages[0]["role"] == "tool" and isinstance(new_messages[0]["content"], str)):
+            before, after = self._tool_frame
+            return self.encode(rest + before + new_messages[0]["content"] + after)
+        return self.encode(rest + self._after_assistant(new_messages))
 
     def full(self, messages: list[dict]) -> list[int]:
         return self.encode(self._text(messages, generation=True, tools=self.tools))
