@@ -94,11 +94,11 @@ class LearnPlan:
     sft_lr: float = 5e-4
     """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
     copying, accuracy on random-token repeats 0.98 before and after)."""
-    rl_steps: int = 12
-    """About 21 minutes on 2 cores (AMD EPYC; a step of 128 samples about 105 s with the trainer
-    beside it), 27 with rl_format_weight 0.2 (more groups teach, so steps train longer; the time
-    limit let the twelfth finish), within the 30 minutes with rl_time_limit_s as the bound. Before warmup and the
-    lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
+    rl_steps: int = 16
+    """As many as fit: the job ends at rl_time_limit_s when its steps take longer (on 2 cores, AMD
+    EPYC, a step of 128 samples took 105-135 s with the trainer beside it, so 12 steps 22-27
+    minutes); the demo of 2026-12-04 evening ended its 12 steps at 22 minutes of the 30. Before
+    warmup and the lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
     job with the same settings saw its held-out evaluation fall (0.219 at v0, 0.109 at v5, 0.078
     at v10) and was stopped at step 12: the run-to-run spread at lr 3e-4 is as large as the gain."""
     rl_groups_per_step: int = 16
@@ -115,8 +115,9 @@ class LearnPlan:
     the successes sampled, as rejection-sampling fine-tuning does."""
     rl_time_limit_s: float | None = 1500.0
     """The RL job's trainer stops after the step that ends past this (its version is the job's
-    last, evaluated as the last), so that RL with its evaluations fits the 30 minutes on a slower
-    CPU; here the 9 steps end first (about 16 minutes)."""
+    last, evaluated as the last), so that RL with its evaluations fits the 30 minutes (the job took
+    limit + 2 minutes when its last step ended past it); with rl_steps 16 on 2 cores the limit
+    ends the job first."""
     rl_lr: float = 1e-4
     """At 5e-4 with credit for malformed turns the RL job of 2026-12-02 broke the tool-call
     format within 8 steps; 2e-4 without it (8 groups of 8) was stable and still improving the
