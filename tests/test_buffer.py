@@ -5,6 +5,7 @@ text stored (escaped), and a refused write told apart from a lost connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from datetime import timedelta
 
@@ -14,7 +15,7 @@ import sqlalchemy as sa
 
 from service.store import db
 from service.store.records import TurnRecord
-from service.store.buffer import Buffer, ClaimLost, StorageError, storable
+from service.store.buffer import Buffer, ClaimLost, StorageError, Superseded, storable
 from service.store.records import decode_array
 from service.store.tables import Episode, Group, Run, Suite, Task, Turn, utcnow
 
@@ -268,7 +269,7 @@ async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_o
     transactions, not one each, and every caller still gets its own outcome: stored exactly, a
     repeat ignored, a fenced-off attempt Superseded, a refused turn a StorageError, and no other
     turn of the batch lost for them."""
-    from service.store.buffer import Superseded, _TurnWriter
+    from service.store.buffer import _TurnWriter
     from tests.conftest import _truncate_pg
 
     _truncate_pg(migrated_pg_url)
@@ -315,6 +316,43 @@ async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_o
         for e in episodes:
             got = loaded[e].turns[2]
             assert list(got.output_ids) == want.output_ids and np.array_equal(got.routed_experts, want.routed_experts)
+    finally:
+        await engine.dispose()
+
+
+async def test_a_turn_twice_in_one_batch_is_stored_once_and_the_second_is_a_repeat(migrated_pg_url):
+    """A batch is one INSERT of arrays: a turn that comes twice in it is stored by the first and
+    reported a repeat for the second; a fenced-off turn beside them is not stored, an unfenced one is."""
+    from service.store.buffer import _TurnWriter
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url, pool_size=2)
+    try:
+        buffer = Buffer(engine)
+        (_, (a, b)), = await make_groups(engine, 1, size=2)
+        rows = []
+        real = _TurnWriter._write
+
+        async def keep(self, batch):  # the rows as append_turn builds them
+            rows.extend((row, attempt) for row, attempt, _ in batch)
+            for _, _, done in batch:
+                done.set_result(False)
+
+        _TurnWriter._write = keep
+        try:
+            for episode, idx, attempt in ((a, 0, 0), (b, 0, 1)):
+                with contextlib.suppress(Superseded):
+                    await buffer.append_turn(episode, turn(idx), attempt=attempt)
+        finally:
+            _TurnWriter._write = real
+        (first, _), (fenced, _) = rows
+        unfenced = {**first, "idx": 1}
+        stored = await _TurnWriter.of(engine)._store([(first, 0), (dict(first), 0), (fenced, 1), (unfenced, None)])
+        assert stored == [True, False, False, True]
+        async with engine.connect() as conn:
+            keys = sorted((await conn.execute(sa.select(Turn.episode_id, Turn.idx))).all())
+        assert keys == [(a, 0), (a, 1)]
     finally:
         await engine.dispose()
 
