@@ -322,7 +322,8 @@ async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_o
 
 async def test_a_turn_twice_in_one_batch_is_stored_once_and_the_second_is_a_repeat(migrated_pg_url):
     """A batch is one INSERT of arrays: a turn that comes twice in it is stored by the first and
-    reported a repeat for the second; a fenced-off turn beside them is not stored, an unfenced one is."""
+    reported a repeat for the second; a fenced-off turn beside them is not stored, an unfenced one
+    is; a batch of one turn (scalar parameters) the same."""
     from service.store.buffer import _TurnWriter
     from tests.conftest import _truncate_pg
 
@@ -350,9 +351,12 @@ async def test_a_turn_twice_in_one_batch_is_stored_once_and_the_second_is_a_repe
         unfenced = {**first, "idx": 1}
         stored = await _TurnWriter.of(engine)._store([(first, 0), (dict(first), 0), (fenced, 1), (unfenced, None)])
         assert stored == [True, False, False, True]
+        writer = _TurnWriter.of(engine)  # a batch of one is a statement of its own: the same outcomes
+        assert [await writer._store([one]) for one in ((first, 0), (fenced, 1), ({**first, "idx": 2}, None))] == [
+            [False], [False], [True]]
         async with engine.connect() as conn:
             keys = sorted((await conn.execute(sa.select(Turn.episode_id, Turn.idx))).all())
-        assert keys == [(a, 0), (a, 1)]
+        assert keys == [(a, 0), (a, 1), (a, 2)]
     finally:
         await engine.dispose()
 

@@ -158,6 +158,12 @@ _PG_APPEND = (  # a batch of turns as one statement: a parameter per column, an 
     "ON CONFLICT (episode_id, idx) DO NOTHING RETURNING episode_id, idx")
 """The turns stored come back by key: a turn not among them was a repeat (of a stored turn, or
 of one earlier in the batch) or fenced off."""
+_PG_VALUES = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
+_PG_APPEND_ONE = (  # a batch of one turn (most of them, unless many episodes append at once): scalar
+    # parameters, which psycopg dumps in C, where the arrays' elements are dumped in Python
+    f"INSERT INTO turns ({_PG_NAMES}) SELECT {_PG_VALUES} WHERE %(attempt)s::integer IS NULL OR EXISTS "
+    "(SELECT 1 FROM episodes e WHERE e.id = %(episode_id)s::uuid AND e.attempt = %(attempt)s::integer "
+    "AND e.status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING RETURNING episode_id, idx")
 
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
                  Turn.output_logprobs, Turn.routed_experts, Turn.policy_version)
@@ -383,26 +389,33 @@ class _TurnWriter:
                 done.set_result(ok)
 
     async def _store(self, rows: list[tuple[dict, int | None]]) -> list[bool]:
-        """The turns in one statement (_PG_APPEND: one transaction, one round trip, and one
-        result however many turns, where a statement per turn cost the worker a tenth of its CPU
-        in psycopg's pipeline). A turn is durable once the server has it; waiting for its WAL
+        """The turns in one statement (_PG_APPEND, or _PG_APPEND_ONE for one turn): one
+        transaction, one round trip and one result however many turns, where a statement per turn
+        cost the worker a tenth of its CPU in psycopg's pipeline. A turn is durable once the server has it; waiting for its WAL
         flush on every turn would cap a worker at a few hundred turns/s (episode ends stay
         synchronous, and an episode end checks that all its turns are there)."""
         import psycopg
         from psycopg.types.json import Jsonb
 
-        params = {name: [row[name] for row, _ in rows] for name in _PG_COLUMNS}
-        params["tool_call"] = [None if call is None else Jsonb(call) for call in params["tool_call"]]
-        params["attempt"] = [attempt for _, attempt in rows]
+        if len(rows) == 1:
+            (row, attempt), = rows
+            statement = _PG_APPEND_ONE
+            params = {**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
+                      "attempt": attempt}
+        else:
+            statement = _PG_APPEND
+            params = {name: [row[name] for row, _ in rows] for name in _PG_COLUMNS}
+            params["tool_call"] = [None if call is None else Jsonb(call) for call in params["tool_call"]]
+            params["attempt"] = [attempt for _, attempt in rows]
         try:
             raw = await self._connection()
             async with raw.cursor() as cur:
-                await cur.execute(_PG_APPEND, params)
+                await cur.execute(statement, params)
                 stored = set(await cur.fetchall())
         except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
             if self.raw is not None and self.raw.broken:
                 self.close()
-            raise sa.exc.DBAPIError.instance(_PG_APPEND, None, e, psycopg.Error, hide_parameters=True) from e
+            raise sa.exc.DBAPIError.instance(statement, None, e, psycopg.Error, hide_parameters=True) from e
         except BaseException:  # cancelled mid-batch: the connection is in an unknown state
             self.close()
             raise
