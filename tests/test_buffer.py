@@ -321,9 +321,9 @@ async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_o
 
 
 async def test_a_turn_twice_in_one_batch_is_stored_once_and_the_second_is_a_repeat(migrated_pg_url):
-    """A batch is one INSERT of arrays: a turn that comes twice in it is stored by the first and
-    reported a repeat for the second; a fenced-off turn beside them is not stored, an unfenced one
-    is; a batch of one turn (scalar parameters) the same."""
+    """A turn that comes twice in a batch is stored by the first and reported a repeat for the
+    second; a fenced-off turn beside them is not stored, an unfenced one is; a batch of one turn
+    (a plain execute, not a pipeline) the same."""
     from service.store.buffer import _TurnWriter
     from tests.conftest import _truncate_pg
 

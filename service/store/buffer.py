@@ -147,23 +147,16 @@ _PG_COLUMNS = {  # column: type, cast explicitly (INSERT ... SELECT does not inf
     "tool_call": "jsonb", "observation": "text", "started_at": "timestamptz", "generation_s": "float8",
     "tool_s": "float8"}
 _PG_NAMES = ", ".join(f'"{c}"' for c in _PG_COLUMNS)
-_PG_APPEND = (  # a batch of turns as one statement: a parameter per column, an array of the batch's values each
-    f"INSERT INTO turns ({_PG_NAMES}) SELECT {_PG_NAMES} FROM unnest("
-    + ", ".join(f"%({c})b::{t}[]" if t == "bytea" else f"%({c})s::{t}[]" for c, t in _PG_COLUMNS.items())
-    + f", %(attempt)s::integer[]) AS t({_PG_NAMES}, attempt) "
-    # a turn with an attempt share-locks its episode's row: a restart (which moves the attempt,
-    # then deletes the turns) waits for this batch, and the turn is refused once the attempt moved
-    "WHERE t.attempt IS NULL OR EXISTS (SELECT 1 FROM episodes e WHERE e.id = t.episode_id "
-    "AND e.attempt = t.attempt AND e.status = 'running' FOR SHARE) "
-    "ON CONFLICT (episode_id, idx) DO NOTHING RETURNING episode_id, idx")
-"""The turns stored come back by key: a turn not among them was a repeat (of a stored turn, or
-of one earlier in the batch) or fenced off."""
 _PG_VALUES = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
-_PG_APPEND_ONE = (  # a batch of one turn (most of them, unless many episodes append at once): scalar
-    # parameters, which psycopg dumps in C, where the arrays' elements are dumped in Python
-    f"INSERT INTO turns ({_PG_NAMES}) SELECT {_PG_VALUES} WHERE %(attempt)s::integer IS NULL OR EXISTS "
-    "(SELECT 1 FROM episodes e WHERE e.id = %(episode_id)s::uuid AND e.attempt = %(attempt)s::integer "
-    "AND e.status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING RETURNING episode_id, idx")
+# a turn with an attempt share-locks its episode's row: a restart (which moves the attempt, then
+# deletes the turns) waits for this turn, and the turn is refused once the attempt moved; a turn
+# without one (not the worker's) goes in unfenced. One statement for both kinds: a batch is one
+# pipeline of it, or one execute for a batch of one turn
+_PG_APPEND = (f"INSERT INTO turns ({_PG_NAMES}) SELECT {_PG_VALUES} WHERE %(attempt)s::integer IS NULL OR EXISTS "
+              "(SELECT 1 FROM episodes e WHERE e.id = %(episode_id)s::uuid AND e.attempt = %(attempt)s::integer "
+              "AND e.status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING RETURNING 1")
+"""A row back when the turn was stored: none for a repeat (of a stored turn, or of one earlier in
+the batch) or a fenced-off turn."""
 
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
                  Turn.output_logprobs, Turn.routed_experts, Turn.policy_version)
@@ -290,9 +283,10 @@ class _TurnWriter:
 
     The writer has a connection of its own, outside the engine's pool (its batches go one at a
     time): no checkout, ping and reset around each batch, and synchronous_commit is set once. It
-    is in autocommit mode, and a batch is one INSERT of arrays (_PG_APPEND), its own transaction:
-    one round trip, where BEGIN and COMMIT made three. A lost connection is dropped and the next
-    batch opens another; it is closed with the engine."""
+    is in autocommit mode, and a batch is one pipeline of inserts ended by one Sync, which
+    PostgreSQL runs as one transaction (committed at the Sync, or rolled back whole on an error):
+    one round trip, where BEGIN (psycopg waits for it in a pipeline) and COMMIT made three. A
+    lost connection is dropped and the next batch opens another; it is closed with the engine."""
 
     MAX_ROWS = 64
     MAX_BYTES = 32 << 20
@@ -389,42 +383,41 @@ class _TurnWriter:
                 done.set_result(ok)
 
     async def _store(self, rows: list[tuple[dict, int | None]]) -> list[bool]:
-        """The turns in one statement (_PG_APPEND, or _PG_APPEND_ONE for one turn): one
-        transaction, one round trip and one result however many turns, where a statement per turn
-        cost the worker a tenth of its CPU in psycopg's pipeline. A turn is durable once the server has it; waiting for its WAL
-        flush on every turn would cap a worker at a few hundred turns/s (episode ends stay
-        synchronous, and an episode end checks that all its turns are there)."""
+        """The turns in one transaction and one round trip: a batch of several is one pipeline
+        of _PG_APPEND ended by one Sync (see the class), a batch of one turn (most of them
+        unless many episodes append at once) one plain execute, without the pipeline's own work
+        per batch. A turn is durable once the server has it; waiting for its WAL flush on every
+        turn would cap a worker at a few hundred turns/s (episode ends stay synchronous, and an
+        episode end checks that all its turns are there).
+
+        (Measured 2026-12-04 night: one INSERT of arrays per batch cost the worker more CPU, as
+        psycopg dumps array elements in Python, and wrote large turns at 0.64x of COPY against
+        0.9x for the pipeline.)"""
         import psycopg
         from psycopg.types.json import Jsonb
 
-        if len(rows) == 1:
-            (row, attempt), = rows
-            statement = _PG_APPEND_ONE
-            params = {**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
-                      "attempt": attempt}
-        else:
-            statement = _PG_APPEND
-            params = {name: [row[name] for row, _ in rows] for name in _PG_COLUMNS}
-            params["tool_call"] = [None if call is None else Jsonb(call) for call in params["tool_call"]]
-            params["attempt"] = [attempt for _, attempt in rows]
+        params = [{**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
+                   "attempt": attempt} for row, attempt in rows]
+        stored = []
         try:
             raw = await self._connection()
             async with raw.cursor() as cur:
-                await cur.execute(statement, params)
-                stored = set(await cur.fetchall())
+                if len(params) == 1:
+                    await cur.execute(_PG_APPEND, params[0])
+                    stored.append(cur.rowcount > 0)
+                else:  # a pipeline of its own, ended by one Sync
+                    await cur.executemany(_PG_APPEND, params, returning=True)
+                    for _ in params:
+                        stored.append(cur.rowcount > 0)
+                        cur.nextset()
         except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
             if self.raw is not None and self.raw.broken:
                 self.close()
-            raise sa.exc.DBAPIError.instance(statement, None, e, psycopg.Error, hide_parameters=True) from e
+            raise sa.exc.DBAPIError.instance(_PG_APPEND, None, e, psycopg.Error, hide_parameters=True) from e
         except BaseException:  # cancelled mid-batch: the connection is in an unknown state
             self.close()
             raise
-        out = []
-        for row, _ in rows:  # a turn twice in the batch: the first was stored, the second is a repeat
-            key = (row["episode_id"], row["idx"])
-            out.append(key in stored)
-            stored.discard(key)
-        return out
+        return stored
 
 
 def _close_turn_writer(engine: sa.Engine) -> None:
