@@ -146,13 +146,12 @@ _PG_COLUMNS = {  # column: type, cast explicitly (INSERT ... SELECT does not inf
     "n_output_tokens": "integer", "policy_version": "integer", "finish_reason": "varchar", "text": "text",
     "tool_call": "jsonb", "observation": "text", "started_at": "timestamptz", "generation_s": "float8",
     "tool_s": "float8"}
-_PG_NAMES = ", ".join(f'"{c}"' for c in _PG_COLUMNS)
 _PG_VALUES = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
 # a turn with an attempt share-locks its episode's row: a restart (which moves the attempt, then
 # deletes the turns) waits for this turn, and the turn is refused once the attempt moved; a turn
 # without one (not the worker's) goes in unfenced. One statement for both kinds: a batch is one
 # pipeline of it, or one execute for a batch of one turn
-_PG_APPEND = (f"INSERT INTO turns ({_PG_NAMES}) SELECT {_PG_VALUES} WHERE %(attempt)s::integer IS NULL OR EXISTS "
+_PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) SELECT {_PG_VALUES} WHERE %(attempt)s::integer IS NULL OR EXISTS "
               "(SELECT 1 FROM episodes e WHERE e.id = %(episode_id)s::uuid AND e.attempt = %(attempt)s::integer "
               "AND e.status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING RETURNING 1")
 """A row back when the turn was stored: none for a repeat (of a stored turn, or of one earlier in
