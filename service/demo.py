@@ -94,10 +94,11 @@ class LearnPlan:
     sft_lr: float = 5e-4
     """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
     copying, accuracy on random-token repeats 0.98 before and after)."""
-    rl_steps: int = 16
-    """As many as fit: the job ends at rl_time_limit_s when its steps take longer (on 2 cores, AMD
-    EPYC, a step of 128 samples took 105-135 s with the trainer beside it, so 12 steps 22-27
-    minutes); the demo of 2026-12-04 evening ended its 12 steps at 22 minutes of the 30. Before
+    rl_steps: int = 24
+    """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 24 steps of 16
+    groups draw each of the 384 train tasks not demonstrated once. With every sample trained on,
+    a step of 128 samples took 105-135 s on 2 cores (AMD EPYC) and about 80 s (Intel Xeon), so
+    12 to 16 steps filled the time; rl_skip_zero leaves about half the samples out of the step. Before
     warmup and the lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
     job with the same settings saw its held-out evaluation fall (0.219 at v0, 0.109 at v5, 0.078
     at v10) and was stopped at step 12: the run-to-run spread at lr 3e-4 is as large as the gain."""
@@ -139,6 +140,12 @@ class LearnPlan:
     (held-out pass@8 0.48 after SFT), and their groups taught nothing; with the weight they
     teach the form. 0.2: a fifth of a fix, so a solved sample always outranks an unsolved one.
     The demo of 2026-12-04 without it: format errors 0.208 after SFT, 0.169 after RL."""
+    rl_skip_zero: bool = True
+    """The RL trainer leaves out samples whose advantage is zero (trainer DataConfig.skip_zero):
+    with positive-advantage updates, every sample at or below its group's mean, about half of
+    the samples of the groups that teach. On 2 cores the trainer's step was the job's pace
+    (bench/rl.py: 99% of a warm asynchronous step training), so a step that trains on half
+    the samples leaves time for more steps within the job's limit."""
     rl_kl_coef: float = 0.01
     rl_fill_useful: bool = False
     """True: a step waits for groups_per_step groups that teach something (DAPO's dynamic
@@ -288,7 +295,7 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
                     "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
                     "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale,
                              "credit_malformed": plan.rl_credit_malformed,
-                             "format_weight": plan.rl_format_weight}},
+                             "format_weight": plan.rl_format_weight, "skip_zero": plan.rl_skip_zero}},
         "inference": {"model": str(model), "endpoints": [endpoint], "max_model_len": plan.max_model_len},
         "serve": {"host": "127.0.0.1", "port": port, "after": False},
     }
@@ -500,7 +507,8 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
 
 
 _AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0,
-              "rl_temperature": 1.0, "rl_warmup_steps": 0, "rl_format_weight": 0.0}
+              "rl_temperature": 1.0, "rl_warmup_steps": 0, "rl_format_weight": 0.0,
+              "rl_skip_zero": False}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
 AFTER_RL = ("RL", "evaluate after RL", "SFT continued", "evaluate SFT continued")

@@ -93,6 +93,27 @@ def test_negative_scale_shrinks_only_the_failures_push():
     assert seqs == [] and stats.zero_advantage_groups == 1
 
 
+def test_skip_zero_trains_only_the_samples_that_teach():
+    """With positive-advantage updates, samples at or below their group's mean have advantage 0:
+    skip_zero leaves them out of the step (counted as skipped), keeps every sample with an
+    advantage either way, and leaves the batch's reward and advantage statistics as they were."""
+    def group(rewards):
+        return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), [
+            EpisodeData(uuid.uuid4(), i, "submitted", r, 0, [turn(0, 3, 2)]) for i, r in enumerate(rewards)])
+
+    groups = [group([1, 0, 0, 0]), group([1, 1, 0, 1]), group([0, 0])]
+    kept, stats = sequences_from_groups(groups, DataConfig(negative_scale=0.0, skip_zero=True))
+    every, every_stats = sequences_from_groups(groups, DataConfig(negative_scale=0.0))
+    assert [s.advantage for s in kept] == [0.75, 0.25, 0.25, 0.25]
+    assert [s.advantage for s in every] == [0.75, 0.0, 0.0, 0.0, 0.25, 0.25, 0.0, 0.25]
+    assert [s.episode_id for s in kept] == [s.episode_id for s in every if s.advantage != 0]
+    assert (stats.episodes, stats.skipped_episodes, stats.zero_advantage_groups) == (4, 4, 1)
+    assert (every_stats.episodes, every_stats.skipped_episodes) == (8, 0)
+    assert stats.rewards == every_stats.rewards and stats.advantages == every_stats.advantages
+    both, _ = sequences_from_groups([group([1, 0])], DataConfig(negative_scale=0.5, skip_zero=True))
+    assert [s.advantage for s in both] == [0.5, -0.25]  # a scaled-down failure still teaches
+
+
 def test_format_weight_ranks_a_groups_failures_by_their_well_formed_turns():
     """Every sample failed: with format_weight the well-formed one rises against the malformed
     ones; the recorded rewards (the batch's statistics) stay the grade's, and without the weight

@@ -43,6 +43,12 @@ class DataConfig(BaseModel):
     grade's). A group every sample of which failed then still teaches: its well-formed samples
     rise against its malformed ones (R1's format reward, here a fraction of the task's). Turns
     whose form is unknown (TurnRecord.called None) count as well formed."""
+    skip_zero: bool = False
+    """Episodes of a useful group whose advantage is zero are not trained on. With negative_scale 0
+    those are every sample at or below its group's mean, about half of a step's: their only loss
+    is the log-ratio penalty, near zero on the policy that sampled them, and their forward and
+    backward passes cost as much as a taught sample's. With "token" normalisation the step's
+    loss is then the mean over the taught samples' tokens."""
 
 
 @dataclass
@@ -62,6 +68,7 @@ class BatchStats:
     zero_advantage_groups: int = 0
     episodes: int = 0
     excluded_episodes: int = 0
+    skipped_episodes: int = 0  # zero advantage, not trained on (DataConfig.skip_zero)
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     truncated_tokens: int = 0
@@ -142,6 +149,9 @@ def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], Batc
         episodes, adv = useful
         stats.advantages += adv.tolist()
         for e, a in zip(episodes, adv):
+            if cfg.skip_zero and abs(a) < cfg.eps:
+                stats.skipped_episodes += 1
+                continue
             stats.episodes += 1
             out += episode_sequences(e.turns, float(a), e.id, cfg.credit_malformed)
     return out, stats
