@@ -204,7 +204,10 @@ async def _read_as_before(buffer: Buffer, group_ids, n_turns: int, fetch) -> flo
     """The same groups loaded with an earlier read path (the figure beside today's, same run)."""
     from service.store import buffer as module
 
-    today, module._fetch_turns = module._fetch_turns, fetch
+    async def decoded(conn, episode_ids):  # as load_groups decoded them before 2026-12-05
+        return [module._turn_of(*row) for row in await fetch(conn, episode_ids)]
+
+    today, module._fetch_turns = module._fetch_turns, decoded
     try:
         start = time.perf_counter()
         groups = await buffer.load_groups(group_ids)

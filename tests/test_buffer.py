@@ -388,16 +388,20 @@ async def test_the_turns_copy_stream_parses_the_same_however_it_is_cut(migrated_
             want = await _fetch_turns(conn, episodes)
     finally:
         await engine.dispose()
-    assert [(r[0], r[1]) for r in want] == sorted((e, i) for e in episodes for i in range(3))
-    assert [r[7] for r in want] == [0, 1, None] * 2 and [r[8] for r in want] == [False, True, True] * 2
-    assert [r[5] is None for r in want] == [False, True, False] * 2
+    assert [(e, t.idx) for e, t in want] == sorted((e, i) for e in episodes for i in range(3))
+    assert [t.policy_version for _, t in want] == [0, 1, None] * 2
+    assert [t.called for _, t in want] == [False, True, True] * 2
+    assert [t.output_logprobs is None for _, t in want] == [False, True, False] * 2
 
     with psycopg.connect(db.sync_url(migrated_pg_url).replace("postgresql+psycopg", "postgresql")) as conn:
         with conn.cursor().copy(_PG_FETCH, (episodes,)) as copy:
             stream = b"".join(bytes(chunk) for chunk in copy)
 
     def comparable(rows):
-        return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows]
+        def plain(v):
+            return (v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v
+
+        return [(e, tuple(plain(v) for v in vars(t).values())) for e, t in rows]
 
     for size in (1, 2, 5, 19, 64, 333, len(stream)):
         rows = _CopyRows(episodes)

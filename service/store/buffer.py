@@ -174,10 +174,21 @@ _PG_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 _INT16, _INT32 = struct.Struct(">h"), struct.Struct(">i")
 
 
+def _turn_of(episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version,
+             called) -> tuple[uuid.UUID, TurnRecord]:
+    """A row of _TURN_COLUMNS and _CALLED as the episode's id and its decoded turn."""
+    return episode_id, TurnRecord(
+        idx=idx, segment=segment, input_ids=decode_array(input_ids), output_ids=decode_array(output_ids),
+        output_logprobs=decode_array(logprobs) if logprobs else None,
+        routed_experts=decode_array(experts) if experts else None, policy_version=version, called=bool(called))
+
+
 class _CopyRows:
-    """Rows of a binary COPY of _PG_FETCH, parsed from the stream as it comes: each array stays
-    a view into the chunk that carried it (no bytes object per field, as psycopg's row loader
-    makes), each episode id is looked up by its 16 bytes (no UUID per row)."""
+    """Turns of a binary COPY of _PG_FETCH, parsed and decoded from the stream as it comes (on
+    the reading thread, while the server sends the next rows): each raw array is read in place
+    from the chunk that carried it (no bytes object per field, as psycopg's row loader makes),
+    each episode id is looked up by its 16 bytes (no UUID per row). Rows are
+    (episode id, TurnRecord)."""
 
     def __init__(self, episode_ids: list[uuid.UUID]):
         self.ids = {e.bytes: e for e in episode_ids}
@@ -211,22 +222,23 @@ class _CopyRows:
 
     def _row(self, data: memoryview, at: int, fields: int):
         values = []
+        end = len(data)
         for _ in range(fields):
-            if at + 4 > len(data):
+            if at + 4 > end:
                 return None, at
             (n,) = _INT32.unpack_from(data, at)
             at += 4
             if n < 0:
                 values.append(None)
-                continue
-            if at + n > len(data):
+            elif at + n > end:
                 return None, at
-            values.append(data[at:at + n])
-            at += n
+            else:
+                values.append(data[at:at + n])
+                at += n
         episode, idx, segment, input_ids, output_ids, logprobs, experts, version, called = values
-        return (self.ids[episode.tobytes()], _INT32.unpack(idx)[0], _INT32.unpack(segment)[0], input_ids,
-                output_ids, logprobs, experts, None if version is None else _INT32.unpack(version)[0],
-                called is not None and called[0] == 1), at
+        return _turn_of(self.ids[episode.tobytes()], _INT32.unpack(idx)[0], _INT32.unpack(segment)[0], input_ids,
+                        output_ids, logprobs, experts, None if version is None else _INT32.unpack(version)[0],
+                        called is not None and called[0] == 1), at
 
     def result(self) -> list[tuple]:
         if not self.ended or self.pending:
@@ -234,18 +246,18 @@ class _CopyRows:
         return self.rows
 
 
-async def _fetch_turns(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> list[tuple]:
-    """The turns' arrays, episode by episode in turn order (the (episode_id, idx) index, no
+async def _fetch_turns(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> list[tuple[uuid.UUID, TurnRecord]]:
+    """The turns, as (episode id, TurnRecord), episode by episode in turn order (the (episode_id, idx) index, no
     sort of wide rows); on PostgreSQL one binary COPY (bytea as text would double the bytes),
     read on a thread of its own (see _copy_turns)."""
     if conn.dialect.name != "postgresql":
         query = (sa.select(*_TURN_COLUMNS, _CALLED).where(Turn.episode_id.in_(episode_ids))
                  .order_by(Turn.episode_id, Turn.idx))
-        return [tuple(r) for r in (await conn.execute(query)).all()]
+        return [_turn_of(*r) for r in (await conn.execute(query)).all()]
     return await asyncio.to_thread(_copy_turns, libpq_url(conn.engine.url), list(episode_ids))
 
 
-def _copy_turns(conninfo: str, episode_ids: list[uuid.UUID]) -> list[tuple]:
+def _copy_turns(conninfo: str, episode_ids: list[uuid.UUID]) -> list[tuple[uuid.UUID, TurnRecord]]:
     """The COPY on a blocking connection, parsed as it streams (_CopyRows). On the event loop
     every row of a few hundred kB waits for the socket several times through asyncio (a probe
     of 330 MB under load: 1.02-1.09 s there, 0.79-0.99 s here); blocking, libpq waits in C.
@@ -631,12 +643,8 @@ class Buffer:
                                            .order_by(Episode.sample_index))).all()
             turns = await _fetch_turns(conn, [e.id for e in episodes])
         by_episode: dict[uuid.UUID, list[TurnRecord]] = {}
-        for episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version, called in turns:
-            by_episode.setdefault(episode_id, []).append(TurnRecord(
-                idx=idx, segment=segment, input_ids=decode_array(input_ids), output_ids=decode_array(output_ids),
-                output_logprobs=decode_array(logprobs) if logprobs else None,
-                routed_experts=decode_array(experts) if experts else None, policy_version=version,
-                called=bool(called)))
+        for episode_id, turn in turns:
+            by_episode.setdefault(episode_id, []).append(turn)
         out = {g.id: GroupData(g.id, g.run_id, g.task_id, []) for g in groups}
         for e in episodes:
             out[e.group_id].episodes.append(EpisodeData(e.id, e.sample_index, e.status, e.reward,
