@@ -172,6 +172,8 @@ _PG_FETCH = (f"COPY (SELECT {', '.join(c.name for c in _TURN_COLUMNS)}, {_PG_CAL
              "WHERE episode_id = ANY(%s::uuid[]) ORDER BY episode_id, idx) TO STDOUT (FORMAT BINARY)")
 _PG_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 _INT16, _INT32 = struct.Struct(">h"), struct.Struct(">i")
+_ROW_HEAD = struct.Struct(">i16siiii")
+"""A turns' COPY row's fixed-size start: the episode id, the turn's index and segment, each after its length."""
 
 
 def _turn_of(episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version,
@@ -221,9 +223,18 @@ class _CopyRows:
         self.pending = data[pos:].tobytes() if pos < len(data) else b""
 
     def _row(self, data: memoryview, at: int, fields: int):
-        values = []
+        if fields != len(_TURN_COLUMNS) + 1:
+            raise StorageError(f"a row of the turns' COPY has {fields} fields, not {len(_TURN_COLUMNS) + 1}")
         end = len(data)
-        for _ in range(fields):
+        if at + _ROW_HEAD.size > end:
+            return None, at
+        n_id, episode, n_idx, idx, n_segment, segment = _ROW_HEAD.unpack_from(data, at)
+        if (n_id, n_idx, n_segment) != (16, 4, 4):
+            raise StorageError(f"a row of the turns' COPY starts with fields of {n_id}, {n_idx} and {n_segment} "
+                               "bytes, not an episode id, an index and a segment")
+        at += _ROW_HEAD.size
+        values = []
+        for _ in range(6):
             if at + 4 > end:
                 return None, at
             (n,) = _INT32.unpack_from(data, at)
@@ -235,9 +246,9 @@ class _CopyRows:
             else:
                 values.append(data[at:at + n])
                 at += n
-        episode, idx, segment, input_ids, output_ids, logprobs, experts, version, called = values
-        return _turn_of(self.ids[episode.tobytes()], _INT32.unpack(idx)[0], _INT32.unpack(segment)[0], input_ids,
-                        output_ids, logprobs, experts, None if version is None else _INT32.unpack(version)[0],
+        input_ids, output_ids, logprobs, experts, version, called = values
+        return _turn_of(self.ids[episode], idx, segment, input_ids, output_ids, logprobs, experts,
+                        None if version is None else _INT32.unpack(version)[0],
                         called is not None and called[0] == 1), at
 
     def result(self) -> list[tuple]:
