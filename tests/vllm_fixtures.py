@@ -46,7 +46,8 @@ def vllm_fleet(tmp_path_factory) -> Fleet:
     root = tmp_path_factory.mktemp("vllm")
     models = make_models(root / "models")
     servers = {
-        name: VLLMServer(models[model], free_port(), served_name="tiny", log_path=root / f"{name}.log")
+        name: VLLMServer(models[model], free_port(), served_name="tiny", log_path=root / f"{name}.log",
+                         die_with_parent=True)  # a session killed (a CI timeout) takes its servers with it
         for name, model in [("dense-a", "dense"), ("dense-b", "dense-v1"),
                             ("moe-a", "moe"), ("moe-b", "moe-v1"), ("tied-a", "tied")]
     }  # fmt: skip
