@@ -25,6 +25,8 @@ class EpisodeRuntime:
         self.pool_size = pool_size
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        self._waited: set[Future] = set()
+        """Futures that pool threads wait on: cancelled if the loop stops before they end."""
         self._thread = threading.Thread(target=self._main, name="swerve-episodes", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -42,11 +44,17 @@ class EpisodeRuntime:
     def submit(self, episode_id: uuid.UUID) -> Future:
         from service.worker.executor import execute_episode
 
-        return asyncio.run_coroutine_threadsafe(execute_episode(self.engine, self.settings, episode_id), self.loop)
+        return self._track(asyncio.run_coroutine_threadsafe(execute_episode(self.engine, self.settings, episode_id),
+                                                            self.loop))
+
+    def _track(self, future: Future) -> Future:
+        self._waited.add(future)
+        future.add_done_callback(self._waited.discard)
+        return future
 
     def call(self, fn, *args):
         """Run fn(engine, settings, *args) on the shared loop; blocks the calling thread."""
-        return asyncio.run_coroutine_threadsafe(fn(self.engine, self.settings, *args), self.loop).result()
+        return self._track(asyncio.run_coroutine_threadsafe(fn(self.engine, self.settings, *args), self.loop)).result()
 
     def run(self, episode_id: uuid.UUID) -> str | None:
         """Run one episode on the shared loop; blocks the calling (pool) thread until it ends."""
@@ -70,6 +78,11 @@ class EpisodeRuntime:
                 logger.error("episodes still stopping after %.0f s; their loop is stopped with them", timeout_s)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout_s)
+        # A coroutine that outlived its cancellation never resolves its future once the loop is
+        # stopped: the pool thread waiting on it (and Celery's pool shutdown, which joins that
+        # thread) would wait forever. A demo's worker hung so for 13 minutes (2026-12-05).
+        for future in list(self._waited):
+            future.cancel()
 
 
 _runtime: EpisodeRuntime | None = None
