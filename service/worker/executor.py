@@ -28,6 +28,7 @@ from service.config import Settings
 from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_tokenizer
 from service.worker.scripted import demonstration, oracle, replay
 from service.worker.config import RunConfig
+from service.worker.runtime import freeze_heap
 from service.store.tasks import task_from_row
 from service.store.tables import Episode, Run, Task, utcnow
 from service.store.status import EPISODE_FINAL, GRADED, RUN_ACTIVE
@@ -284,8 +285,11 @@ async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, epis
 @lru_cache(maxsize=8)  # as many as load_tokenizer keeps
 def _renderer(tokenizer) -> TokenRenderer:
     """One renderer per tokenizer: building one renders the template several times, and what it
-    learns (its frames) holds for every episode."""
-    return TokenRenderer(tokenizer, SWEEnv.tools)
+    learns (its frames) holds for every episode. The first episode of a tokenizer loads it and
+    the libraries behind it: the heap is frozen after it."""
+    renderer = TokenRenderer(tokenizer, SWEEnv.tools)
+    freeze_heap()
+    return renderer
 
 
 _fleets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
