@@ -156,7 +156,8 @@ async def test_tokenizers_only_from_model_folders(client, models, tmp_path):
     empty = models / "empty"
     empty.mkdir(exist_ok=True)
     for tokenizer, why in [(Path("/nonexistent/tok"), "is not a folder"), (empty, "holds no tokenizer"),
-                           (outside, "not under a model folder"), (Path("/etc"), "holds no tokenizer")]:
+                           (outside, "not under a model folder"), (Path("/etc"), "holds no tokenizer"),
+                           (Path("x" * 300), "cannot be read (File name too long)")]:
         r = await client.post("/api/v1/runs", headers=auth(),
                               json={"suite_id": sid, "sampler": vllm(tokenizer, "http://vllm.internal:1")})
         assert r.status_code == 422 and "sampler.tokenizer" in r.json()["detail"] and why in r.json()["detail"], r.text

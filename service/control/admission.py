@@ -61,10 +61,14 @@ def _ceilings(cfg: RunConfig, settings: Settings) -> list[str]:
 
 def _tokenizer(cfg: RunConfig) -> list[str]:
     path = Path(cfg.sampler.tokenizer)
-    if not path.is_dir():
-        return [f"sampler.tokenizer: {path} is not a folder (give the model folder the servers serve)"]
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return [f"sampler.tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"]
+    try:
+        if not path.is_dir():
+            return [f"sampler.tokenizer: {str(path)[:300]!r} is not a folder (give the model folder the servers serve)"]
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            return [f"sampler.tokenizer: {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"]
+    except OSError as e:  # a name too long, a folder this service may not read
+        return [f"sampler.tokenizer: {str(path)[:300]!r} cannot be read ({e.strerror or type(e).__name__}); give the "
+                "model folder the servers serve"]
     return []
 
 

@@ -9,7 +9,6 @@ flight on a core. The loop owns one database engine (one connection pool) and th
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 import uuid
@@ -18,18 +17,6 @@ from concurrent.futures import Future
 from service.config import Settings
 
 logger = logging.getLogger(__name__)
-
-
-def freeze_heap() -> None:
-    """Take every object alive now out of the cyclic collector's passes (`gc.freeze`), once the
-    process holds what it keeps for its life: modules (torch, transformers and SQLAlchemy come with
-    the tokenizer: about 340k tracked objects), tokenizers, templates. A full collection walks
-    every tracked object: in a worker under bench/rollouts.py each took about 0.1 s and came every
-    few seconds, 11% of the worker's CPU (2026-12-05). Frozen objects are still freed by reference
-    counting when the last reference goes; only a reference cycle among them is never collected,
-    so this runs at a few fixed points of a process's life, not on a timer."""
-    gc.collect()
-    gc.freeze()
 
 
 class EpisodeRuntime:
@@ -46,6 +33,7 @@ class EpisodeRuntime:
 
     def _main(self) -> None:
         from service.store.db import make_async_engine
+        from service.worker.executor import freeze_heap
 
         asyncio.set_event_loop(self.loop)
         url = self.settings.resolved_database_url
