@@ -134,12 +134,13 @@ class LearnPlan:
     """False: turns without a well-formed tool call get no positive credit (trainer
     DataConfig.credit_malformed): an episode out of turns is graded on its fix, and its
     malformed last turns were reinforced with it."""
-    rl_format_weight: float = 0.2
+    rl_format_weight: float = 0.0
     """Added to a sample's reward, times its share of well-formed turns, for its advantage
-    (trainer DataConfig.format_weight): about half the tasks are never solved in 8 samples
-    (held-out pass@8 0.48 after SFT), and their groups taught nothing; with the weight they
-    teach the form. 0.2: a fifth of a fix, so a solved sample always outranks an unsolved one.
-    The demo of 2026-12-04 without it: format errors 0.208 after SFT, 0.169 after RL."""
+    (trainer DataConfig.format_weight): groups that never solve their task would teach the form.
+    Off: from one SFT checkpoint (0.338, format errors 0.230; bench/demo_rl_variant.py,
+    2026-12-05) RL with 0.2 reached 0.400 and format errors 0.167, without it 0.447 and 0.157
+    (paired +0.047, +0.004 to +0.096): the weight cost pass@1 and did not lower format errors,
+    which fall as much from the solved samples' well-formed calls."""
     rl_skip_zero: bool = True
     """The RL trainer leaves out samples whose advantage is zero (trainer DataConfig.skip_zero):
     with positive-advantage updates, every sample at or below its group's mean, about half of

@@ -86,7 +86,7 @@ def test_the_rl_job_samples_at_its_temperature_and_evaluates_at_the_evaluations(
 
     from service.demo import LearnPlan, _resumable, rl_config
 
-    plan = replace(LearnPlan(), rl_temperature=0.7, eval_temperature=0.5)
+    plan = replace(LearnPlan(), rl_temperature=0.7, eval_temperature=0.5, rl_format_weight=0.2)
     cfg = rl_config(plan, "job", tmp_path / "train.jsonl", [f"t{i}" for i in range(plan.demos + 8)],
                     tmp_path / "heldout.jsonl", ["h0", "h1"], tmp_path / "model", "http://127.0.0.1:1", 8030)
     assert cfg["rollouts"]["agent"]["sampling"]["temperature"] == 0.7
