@@ -70,7 +70,7 @@ def _frozen(obj, tracked: set[int]) -> bool:
 
 def test_what_a_worker_holds_once_started_and_once_a_tokenizer_is_loaded_leaves_the_collectors_passes(tmp_path):
     """A full collection walks every tracked object, and a worker's modules and tokenizers are about
-    340k of them (0.1 s a collection, 11% of its CPU under load). What is alive when the runtime has
+    340k of them (0.1 s a collection while its heap grows). What is alive when the runtime has
     started, and again when a tokenizer's renderer is built, is frozen; what is made after is not,
     and a frozen object is still freed when its last reference goes."""
     from service.fleet.client import load_tokenizer
