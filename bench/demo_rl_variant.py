@@ -69,8 +69,9 @@ async def main(args) -> None:
     if json.loads(json.dumps(asdict(plan))) != saved["plan"]:
         raise SystemExit(f"{source}: that demo ran another plan than this code's default; run the variant from "
                          "the code that made it")
-    variant = replace(plan, **parse_sets(args.set, plan))
-    label = args.label or "-".join(f"{k.removeprefix('rl_')}{v}" for k, v in parse_sets(args.set, plan).items())
+    changes = parse_sets(args.set, plan)
+    variant = replace(plan, **changes)
+    label = args.label or "-".join(f"{k.removeprefix('rl_')}{v}" for k, v in changes.items())
     root = args.to.resolve()
     if root.exists():
         raise SystemExit(f"--to {root}: exists; give a new folder")
@@ -114,6 +115,7 @@ async def main(args) -> None:
         if a in solved and b in solved and (d := paired_difference(solved[b], solved[a])) is not None:
             print(f"paired {a} - {b}: {d['difference']:+.3f} ({d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}), "
                   f"{d['better']} tasks better, {d['worse']} worse, of {d['tasks']}")
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

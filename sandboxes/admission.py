@@ -69,11 +69,11 @@ def _folder() -> Path:
 
 def _take_slot(folder: Path, limit: int, skip: frozenset[int] = frozenset()) -> tuple[int, int] | None:
     """(the slot, an open fd holding its flock) of a free slot not in `skip`, or None. The slots
-    are tried from a random one on, so processes spread over them (a random permutation of all
-    of them per try cost 3% of a worker's CPU at 128 sandboxes waiting on 64, 2026-12-05)."""
+    are tried from a random one on, so processes spread over them (a random permutation of all of
+    them per try took 10 us against 1 us at 64 slots with 63 held, and grows with the slots)."""
     start = random.randrange(limit)
     for k in range(limit):
-        i = start + k if start + k < limit else start + k - limit
+        i = (start + k) % limit
         if i in skip:
             continue
         fd = os.open(folder / f"live-{i}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
