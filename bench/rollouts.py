@@ -141,8 +141,11 @@ async def main(args) -> None:
     redis.Redis.from_url(BROKER).flushdb()
     data = ROOT / "var" / "bench" / "rollouts"
     data.mkdir(parents=True, exist_ok=True)
+    # the worker runs this checkout's code, whatever the caller's directory (`-m` puts the
+    # working directory first on the path): a worktree's copy of this script measures that worktree
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
-        "SWERVE_DATABASE_URL": url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(data)}
+        "SWERVE_DATABASE_URL": url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(data),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = None
     try:
         db.upgrade(url)
@@ -152,7 +155,7 @@ async def main(args) -> None:
         tokenizer = init_tiny(data / "tiny")
         proc = subprocess.Popen([sys.executable, "-m", "service.cli", "worker", "--concurrency",
                                  str(max(args.concurrency)), "--loglevel", "WARNING"],
-                                env=env, stdout=open(data / "worker.log", "w"), stderr=subprocess.STDOUT)
+                                env=env, cwd=ROOT, stdout=open(data / "worker.log", "w"), stderr=subprocess.STDOUT)
         celery = make_celery(load_settings(database_url=url, broker_url=BROKER))
         supervisor = Supervisor(engine, episode_sender(celery))
         worker = psutil.Process(proc.pid)

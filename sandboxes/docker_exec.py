@@ -1,7 +1,7 @@
 """`docker exec -i` over the engine's API socket, without the `docker` CLI: the exec is created
 and started with stdin attached on a raw connection (the HTTP upgrade Docker's own clients use),
-and its multiplexed stdout/stderr frames are split into two streams. `ExecProcess` has the shape
-of asyncio's subprocess Process that sandboxes/shell.ShellSession drives.
+and its multiplexed stdout/stderr frames are split into a shell.Channel. `ExecProcess` has the
+shape of shell.PipeProcess, the subprocess that sandboxes/shell.ShellSession drives.
 
 Two things come of it: no CLI process per shell (the CLI's own start-up is most of a shell's
 attach), and a connection is a plain socket, so it can be opened in one thread and adopted by
@@ -17,6 +17,7 @@ import json
 import socket
 
 from sandboxes.base import SandboxError
+from sandboxes.shell import Channel
 
 _STDOUT, _STDERR = 1, 2
 _HEADER = 8  # stream type, 3 zero bytes, big-endian 32-bit length
@@ -104,14 +105,17 @@ class _Pipe:
 
 
 class ExecProcess:
-    """An exec's streams as asyncio's Process has them (stdin, stdout, stderr, returncode,
-    wait, kill). kill closes the connection, as killing a `docker exec` client does: what runs
-    in the container is the sandbox's to stop."""
+    """An exec's streams as shell.PipeProcess has them (stdin, channel, returncode, wait, kill,
+    close). kill closes the connection, as killing a `docker exec` client does: what runs in
+    the container is the sandbox's to stop."""
 
     def __init__(self, client, started: Exec, limit: int = 1 << 20):
         self._client, self._exec = client, started
-        self.stdout = asyncio.StreamReader(limit=limit)
-        self.stderr = asyncio.StreamReader(limit=limit)
+        self.channel = Channel(limit)
+        self.channel.pause = self._pause
+        self._reading = asyncio.Event()  # cleared while the channel has a stream paused
+        self._reading.set()
+        self._paused: set[int] = set()
         self.stdin: _Pipe | None = None
         self.returncode: int | None = None
         self._pump: asyncio.Task | None = None
@@ -136,7 +140,8 @@ class ExecProcess:
                         break
                     stream, data = buf[0], bytes(buf[_HEADER:_HEADER + size])
                     del buf[:_HEADER + size]
-                    (self.stderr if stream == _STDERR else self.stdout).feed_data(data)
+                    self.channel.feed(2 if stream == _STDERR else 1, data)
+                await self._reading.wait()  # the session paused reading: output waits on the socket
                 chunk = await reader.read(1 << 16)
                 if not chunk:
                     break
@@ -144,10 +149,15 @@ class ExecProcess:
         except (ConnectionError, OSError):
             pass
         finally:
-            self.stdout.feed_eof()
-            self.stderr.feed_eof()
+            self.channel.feed_eof(1)
+            self.channel.feed_eof(2)
             writer.close()
             self.returncode = await asyncio.to_thread(self._exit_code)
+
+    def _pause(self, fd: int, on: bool) -> None:
+        """Both streams share the socket: it is read while neither is paused."""
+        self._paused.add(fd) if on else self._paused.discard(fd)
+        self._reading.clear() if self._paused else self._reading.set()
 
     def _exit_code(self) -> int:
         try:
@@ -162,7 +172,12 @@ class ExecProcess:
         return self.returncode
 
     def kill(self) -> None:
+        self._paused.clear()
+        self._reading.set()  # so that the split reads on to the connection's end
         if self.stdin is not None:
             self.stdin.close()  # the transport's socket: the split sees its end
         else:
             self._exec.close()
+
+    def close(self) -> None:
+        """After wait: the connection, the exec's only resource here, is closed by then."""

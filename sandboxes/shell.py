@@ -59,11 +59,14 @@ class SessionDead(Exception):
 
 
 class _Capture:
-    """Keeps the first and last halves of a command's output and counts the rest."""
+    """Keeps the first and last halves of a command's output and counts the rest, and past them
+    `slack` bytes, where the end marker may be before its nonce is known."""
 
     def __init__(self, limit: int):
         self.half = limit // 2
         self.head, self.tail, self.total = bytearray(), bytearray(), 0
+        self.slack = 4 * _CHUNK
+        self._head_seen = 0
 
     def add(self, data: bytes) -> None:
         self.total += len(data)
@@ -72,18 +75,33 @@ class _Capture:
             self.head += data[:room]
             data = data[room:]
         self.tail += data
-        if len(self.tail) > self.half + 4 * _CHUNK:
-            del self.tail[: len(self.tail) - self.half - 4 * _CHUNK]
+        if len(self.tail) > self.half + self.slack:
+            del self.tail[: len(self.tail) - self.half - self.slack]
 
     def cut_marker(self, marker: bytes) -> bytes | None:
         """Drop the end marker and return what followed it, or None if not seen yet."""
-        stream = self.tail if len(self.tail) >= 4096 else self.head + self.tail
-        at = stream.rfind(marker)
+        at = self._find(marker)
         if at < 0:
             return None
-        after = bytes(stream[at + len(marker) :])
-        self._drop_end(len(stream) - at)
+        h, end = len(self.head), at + len(marker)
+        after = bytes(self.tail[end - h:]) if end >= h else bytes(self.head[end:]) + bytes(self.tail)
+        self._drop_end(h + len(self.tail) - at)
         return after
+
+    def _find(self, marker: bytes) -> int:
+        """Where `marker` starts in head + tail, or -1. The head is searched once per byte: a
+        command's output may have filled it and gone on into the tail before its nonce came."""
+        h, m = len(self.head), len(marker)
+        at = self.tail.rfind(marker)
+        if at >= 0:
+            return h + at
+        start = max(0, self._head_seen - m + 1)
+        window = bytes(self.head[start:])
+        if self.total == h + len(self.tail):  # nothing cut between them: the marker may straddle
+            window += bytes(self.tail[: m - 1])
+        self._head_seen = h
+        at = window.find(marker)
+        return start + at if at >= 0 else -1
 
     def _drop_end(self, n: int) -> None:
         self.total -= n
@@ -102,13 +120,191 @@ class _Capture:
                 + tail.decode(errors="replace"))  # fmt: skip
 
 
+class Channel:
+    """A supervisor's stdout and stderr as they arrive, for the one command reading them: each
+    wake-up is one future, resolved by whichever stream moved. (asyncio's two StreamReaders
+    cost a read task per stream and an `asyncio.wait` with its timer at every wake-up: the
+    shell's part of a command's CPU.) Past twice `limit` bytes unread a stream pauses
+    (`pause(fd, True)`, set by the process that feeds it) until its reader takes it below
+    `limit`, as a StreamReader's transport does: a process left flooding its output between
+    commands waits on its pipe instead of filling the worker's memory."""
+
+    def __init__(self, limit: int = 1 << 20):
+        self.out, self.err = bytearray(), bytearray()
+        self.out_eof = self.err_eof = False
+        self.limit = limit
+        self.pause: Callable[[int, bool], None] | None = None
+        self._paused: set[int] = set()
+        self._waiter: asyncio.Future | None = None
+
+    def feed(self, fd: int, data: bytes) -> None:
+        """Data of stdout (1) or stderr (2)."""
+        buf = self.err if fd == 2 else self.out
+        buf.extend(data)
+        if len(buf) > 2 * self.limit and fd not in self._paused and self.pause is not None:
+            self._paused.add(fd)
+            self.pause(fd, True)
+        self._wake(True)
+
+    def feed_eof(self, fd: int) -> None:
+        if fd == 2:
+            self.err_eof = True
+        else:
+            self.out_eof = True
+        self._wake(True)
+
+    def _wake(self, moved: bool) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(moved)
+
+    def _taken(self, fd: int) -> None:
+        if fd in self._paused and len(self.err if fd == 2 else self.out) <= self.limit:
+            self._paused.discard(fd)
+            self.pause(fd, False)
+
+    def take_out(self, n: int | None = None) -> bytes:
+        """The first `n` bytes of stdout (all by default)."""
+        data = bytes(self.out[:n])
+        del self.out[:n]
+        self._taken(1)
+        return data
+
+    def take_line(self) -> bytes | None:
+        """The next line of stderr; at its end, or past `limit` without a newline, what is left."""
+        at = self.err.find(b"\n")
+        if at < 0 and not (self.err and (self.err_eof or len(self.err) > self.limit)):
+            return None
+        end = at + 1 if at >= 0 else len(self.err)
+        line = bytes(self.err[:end])
+        del self.err[:end]
+        self._taken(2)
+        return line
+
+    async def wait(self, deadline: float | None = None) -> bool:
+        """Until either stream moves (True) or the event loop's clock reaches `deadline` (False)."""
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None if deadline is None else loop.call_at(deadline, self._wake, False)
+        try:
+            return await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+
+class _Stdin:
+    """A subprocess's stdin as ShellSession writes it: write and drain."""
+
+    def __init__(self, transport: asyncio.WriteTransport):
+        self.transport = transport
+        self.lost = False
+        self._drained: asyncio.Future | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.lost or self.transport.is_closing():
+            raise BrokenPipeError("the shell's stdin is closed")
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self.lost:
+            raise ConnectionResetError("the shell's stdin is closed")
+        if self._drained is not None:
+            await asyncio.shield(self._drained)
+            if self.lost:
+                raise ConnectionResetError("the shell's stdin is closed")
+
+    def paused(self, on: bool) -> None:
+        if on and self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+        elif not on and self._drained is not None:
+            if not self._drained.done():
+                self._drained.set_result(None)
+            self._drained = None
+
+
+class _Protocol(asyncio.SubprocessProtocol):
+    def __init__(self, proc: PipeProcess):
+        self.proc = proc
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        self.proc.channel.feed(fd, data)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd == 0:
+            if self.proc.stdin is not None:
+                self.proc.stdin.lost = True
+                self.proc.stdin.paused(False)
+        else:
+            self.proc.channel.feed_eof(fd)
+
+    def pause_writing(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.paused(True)
+
+    def resume_writing(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.paused(False)
+
+    def process_exited(self) -> None:
+        if not self.proc.exited.done():
+            self.proc.exited.set_result(None)
+
+
+class PipeProcess:
+    """A subprocess whose stdout and stderr feed a Channel: what ShellSession drives (stdin,
+    channel, pid, returncode, wait, kill), as sandboxes/docker_exec.ExecProcess has it too."""
+
+    def __init__(self, limit: int):
+        self.channel = Channel(limit)
+        self.stdin: _Stdin | None = None
+        self.exited: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._transport: asyncio.SubprocessTransport | None = None
+
+    @classmethod
+    async def spawn(cls, argv: list[str], *, limit: int, env: dict | None = None,
+                    pass_fds: tuple[int, ...] = ()) -> PipeProcess:  # fmt: skip
+        proc = cls(limit)
+        PIPE = asyncio.subprocess.PIPE
+        transport, _ = await asyncio.get_running_loop().subprocess_exec(
+            lambda: _Protocol(proc), *argv, stdin=PIPE, stdout=PIPE, stderr=PIPE, env=env, pass_fds=pass_fds)
+        proc._transport = transport
+        proc.stdin = _Stdin(transport.get_pipe_transport(0))
+        proc.channel.pause = proc._pause_reading
+        return proc
+
+    def _pause_reading(self, fd: int, on: bool) -> None:
+        pipe = self._transport.get_pipe_transport(fd)
+        if pipe is not None and not pipe.is_closing():
+            pipe.pause_reading() if on else pipe.resume_reading()
+
+    @property
+    def pid(self) -> int:
+        return self._transport.get_pid()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._transport.get_returncode()
+
+    async def wait(self) -> int:
+        await asyncio.shield(self.exited)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self._transport.kill()
+
+    def close(self) -> None:
+        """Once it has exited: its pipes closed now, not when what else held them lets go."""
+        self._transport.close()
+
+
 class ShellSession:
     """A supervisor process and its current shell. `run` is not re-entrant: callers lock."""
 
     def __init__(self, proc, shell_pid: int, output_limit: int):
         self.proc, self.shell_pid, self.output_limit = proc, shell_pid, output_limit
-        self._out: asyncio.Future | None = None
-        self._ctl: asyncio.Future | None = None
+        self.channel: Channel = proc.channel
         self._leftover = b""
 
     @classmethod
@@ -117,17 +313,14 @@ class ShellSession:
                     spawned: Callable[[], Awaitable[None]] | None = None) -> ShellSession:  # fmt: skip
         """Start `argv` (which must end by running SUPERVISOR) and wait for its first shell.
         `spawned` runs once the process exists, before the wait (it may raise: all is killed)."""
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 20, pass_fds=pass_fds,
-        )  # fmt: skip
+        proc = await PipeProcess.spawn(argv, limit=1 << 20, env=env, pass_fds=pass_fds)
         return await cls.attach(proc, output_limit=output_limit, timeout_s=timeout_s, spawned=spawned)
 
     @classmethod
     async def attach(cls, proc, *, output_limit: int, timeout_s: float = 30.0,
                      spawned: Callable[[], Awaitable[None]] | None = None) -> ShellSession:  # fmt: skip
-        """The session of a process already running SUPERVISOR (a subprocess, or anything with
-        its streams: sandboxes/docker_exec.ExecProcess), once its first shell is ready."""
+        """The session of a process already running SUPERVISOR (a PipeProcess, or anything with
+        its shape: sandboxes/docker_exec.ExecProcess), once its first shell is ready."""
         session = cls(proc, 0, output_limit)
         try:
             async with asyncio.timeout(timeout_s):
@@ -144,16 +337,20 @@ class ShellSession:
 
     async def _await_ready(self) -> int:
         """Read control lines until the supervisor's shell says it is ready."""
-        lines = []
+        lines, ch = [], self.channel
         while True:
-            if self._ctl is None:
-                self._ctl = asyncio.ensure_future(self.proc.stderr.readline())
-            line = await self._ctl
-            self._ctl = None
-            if not line:
-                out = await self.proc.stdout.read()
-                raise SessionDead(await self.proc.wait(),
-                                  (b"".join(lines) + out).decode(errors="replace"))
+            line = ch.take_line()
+            if len(ch.out) > ch.limit:  # a flood from the last shell's processes: its start waits
+                # for the next command, and the stream moves on (on Docker both share one socket)
+                self._leftover = (self._leftover + ch.take_out())[: ch.limit]
+            if line is None:
+                if not ch.err_eof:
+                    await ch.wait()
+                    continue
+                while not ch.out_eof:
+                    await ch.wait()
+                raise SessionDead(await self.proc.wait(), (b"".join(lines) + self._leftover + ch.take_out())
+                                  .decode(errors="replace"))  # fmt: skip
             if match := _READY.match(line.strip()):
                 self.proc.stdin.write(_SHELL_INIT.encode() + b"\n")
                 await self.proc.stdin.drain()
@@ -191,47 +388,48 @@ class ShellSession:
         )  # fmt: skip
 
     async def _collect(self, capture: _Capture, deadline: float, kill) -> tuple[int, bool]:
+        """Output until the end marker of the nonce the control channel gave. `deadline` is on
+        time.monotonic(), the event loop's clock."""
+        ch = self.channel
         nonce, exit_code, timed_out, stage = None, 0, False, 0
         while True:
-            if self._out is None:
-                self._out = asyncio.ensure_future(self.proc.stdout.read(_CHUNK))
-            if self._ctl is None and nonce is None:
-                self._ctl = asyncio.ensure_future(self.proc.stderr.readline())
-            waiting = [f for f in (self._out, self._ctl if nonce is None else None) if f]
-            done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                if stage == 2:
-                    await self.kill()
-                    raise SessionDead(None, capture.text() + "\n[the sandbox stopped answering]")
-                timed_out, deadline = True, time.monotonic() + GRACE_S
-                await kill(stage == 1)  # first the command's processes, then the shell too
-                stage += 1
-                continue
-            if self._ctl in done:
-                line, self._ctl = self._ctl.result(), None
+            while nonce is None and (line := ch.take_line()) is not None:
                 if match := _CONTROL.match(line.strip()):
                     nonce, exit_code = match.group(1), int(match.group(2))
                 elif match := _EXITED.match(line.strip()):
                     status = int(match.group(1))
+                    while ch.out:
+                        capture.add(ch.take_out(_CHUNK))
                     self.shell_pid = await self._await_ready()
                     raise ShellDied(None if timed_out else status, capture.text())
-            if self._out in done:
-                chunk, self._out = self._out.result(), None
-                if not chunk:
-                    raise SessionDead(await self.proc.wait(), capture.text())
-                capture.add(chunk)
             if nonce is not None:
                 after = capture.cut_marker(b"\n\x1f" + nonce + b"\x1f")
                 if after is not None:
-                    self._leftover = after
+                    self._leftover = after  # and what is still in the channel, after it
                     return exit_code, timed_out
+            # a chunk at a time, letting the control line in between: until it has come the
+            # capture keeps 16 chunks past a marker (a process left printing after the command
+            # can follow it with any amount), then 4
+            capture.slack = 4 * _CHUNK if nonce is not None else 16 * _CHUNK
+            if ch.out:
+                if time.monotonic() < deadline:
+                    capture.add(ch.take_out(_CHUNK))
+                    if nonce is None and ch.out:
+                        await asyncio.sleep(0)
+                    continue
+            elif ch.out_eof:
+                raise SessionDead(await self.proc.wait(), capture.text())
+            elif await ch.wait(deadline):
+                continue
+            if stage == 2:
+                await self.kill()
+                raise SessionDead(None, capture.text() + "\n[the sandbox stopped answering]")
+            timed_out, deadline = True, time.monotonic() + GRACE_S
+            await kill(stage == 1)  # first the command's processes, then the shell too
+            stage += 1
 
     async def kill(self) -> None:
-        for fut in (self._out, self._ctl):
-            if fut is not None:
-                fut.cancel()
-        self._out = self._ctl = None
         if self.proc.returncode is None:
             self.proc.kill()
         await self.proc.wait()
+        self.proc.close()

@@ -116,6 +116,23 @@ async def test_huge_output_is_capped_in_the_middle(backend, tmp_path):
         assert "bytes cut" in r.output and len(r.output) < 4096 + 100
 
 
+async def test_output_left_running_between_commands_waits_in_its_pipe(backend, tmp_path):
+    """A process still printing after its command returned is not read into the worker's memory
+    past the session's limit (its stream pauses), and the next command still ends, its output
+    capped as any."""
+    async with open_sandbox(make_config(backend, tmp_path, output_limit_bytes=4096)) as sb:
+        r = await sb.execute("(head -c 64000000 /dev/zero | tr '\\0' a; echo FLOOD-END) & echo started")
+        assert r.exit_code == 0 and "started" in r.output
+        channel = sb.shell.channel
+        await asyncio.sleep(2)  # unpaused, the 64 MB would all be read by now
+        held = len(channel.out)
+        assert channel.limit < held <= 2 * channel.limit + (1 << 20), held
+        r = await sb.execute("wait; echo next", timeout_s=120)
+        assert r.exit_code == 0 and r.output.endswith("FLOOD-END\nnext\n"), r.output[-200:]
+        assert "bytes cut" in r.output and len(channel.out) == 0
+        assert (await sb.execute("echo quiet")).output == "quiet\n"
+
+
 async def test_writes_outside_the_work_tree_fail_and_never_reach_the_host(backend, tmp_path):
     async with open_sandbox(make_config(backend, tmp_path)) as sb:
         for target in ("/usr/swerve-escape", "/etc/swerve-escape", "/swerve-escape"):

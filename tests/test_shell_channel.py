@@ -1,0 +1,91 @@
+"""The shell session's channel and capture, without a sandbox: the end marker is found wherever
+the output put it, and a stream nobody reads pauses instead of growing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sandboxes.shell import Channel, _Capture
+
+MARKER = b"\n\x1f" + b"0123456789abcdef" * 2 + b"\x1f"
+
+
+def test_marker_in_the_head_is_found_after_output_went_on_into_the_tail():
+    # the command printed little, then a process it left running printed on before the nonce came
+    capture = _Capture(4096)
+    capture.add(b"started\n" + MARKER + b"a" * 10_000)
+    after = capture.cut_marker(MARKER)
+    assert after == b"a" * 10_000
+    assert capture.text() == "started\n" and capture.total == len("started\n")
+
+
+def test_marker_across_the_head_and_tail_is_found():
+    capture = _Capture(64)  # a head of 32 bytes
+    out = b"x" * 20
+    capture.add(out + MARKER[:12])
+    capture.add(MARKER[12:] + b"later" + b"b" * 100)
+    assert capture.cut_marker(MARKER) == b"later" + b"b" * 100
+    assert capture.text() == "x" * 20
+
+
+def test_marker_in_the_tail_after_a_cut():
+    capture = _Capture(64)
+    capture.add(b"c" * 1_000_000)
+    capture.add(MARKER + b"tail")
+    assert capture.cut_marker(MARKER) == b"tail"
+    assert capture.total == 1_000_000 and "bytes cut" in capture.text()
+
+
+def test_marker_not_yet_there_is_none_and_the_head_is_searched_once():
+    capture = _Capture(4096)
+    capture.add(b"y" * 3000)
+    assert capture.cut_marker(MARKER) is None
+    capture.add(MARKER[:10])
+    assert capture.cut_marker(MARKER) is None
+    capture.add(MARKER[10:])
+    assert capture.cut_marker(MARKER) == b"" and capture.text() == "y" * 3000
+
+
+def test_a_stream_past_twice_its_limit_pauses_until_read_below_it():
+    calls = []
+    channel = Channel(limit=1000)
+    channel.pause = lambda fd, on: calls.append((fd, on))
+    channel.feed(1, b"o" * 1500)
+    channel.feed(2, b"e" * 10)
+    assert calls == []
+    channel.feed(1, b"o" * 600)  # 2100 > 2000
+    assert calls == [(1, True)]
+    channel.feed(1, b"o" * 600)  # paused already: no second call
+    assert calls == [(1, True)]
+    assert len(channel.take_out(1000)) == 1000 and calls == [(1, True)]  # 1700 left
+    assert len(channel.take_out(800)) == 800 and calls == [(1, True), (1, False)]  # 900 left
+    assert channel.take_out() == b"o" * 900
+
+
+def test_control_lines_one_at_a_time_and_the_rest_at_the_end():
+    channel = Channel(limit=1000)
+    channel.feed(2, b"ready 12\nexi")
+    assert channel.take_line() == b"ready 12\n"
+    assert channel.take_line() is None
+    channel.feed(2, b"ted 0\npartial")
+    assert channel.take_line() == b"exited 0\n"
+    assert channel.take_line() is None
+    channel.feed_eof(2)
+    assert channel.take_line() == b"partial" and channel.take_line() is None
+
+
+def test_a_line_longer_than_the_limit_is_given_whole_not_kept_growing():
+    channel = Channel(limit=100)
+    channel.feed(2, b"z" * 150)
+    assert channel.take_line() == b"z" * 150 and len(channel.err) == 0
+
+
+async def test_wait_wakes_on_either_stream_or_returns_false_at_its_deadline():
+    loop = asyncio.get_running_loop()
+    channel = Channel()
+    assert await channel.wait(loop.time() + 0.05) is False
+    loop.call_later(0.01, channel.feed, 2, b"x\n")
+    assert await channel.wait(loop.time() + 5) is True
+    loop.call_later(0.01, channel.feed_eof, 1)
+    assert await channel.wait() is True and channel.out_eof
+
