@@ -691,8 +691,9 @@ def results_section(out: dict, cmd: str) -> str:
     if not out.get("complete"):
         lines.append("The demo had not finished when this was written: the rows above are what it measured so far.")
     if out["rl_run_id"]:
+        shot = f" (screenshot: screenshots/{Path(out['screenshot']).name})" if out.get("screenshot") else ""
         lines.append(f"The RL job's training run ({out['rl_run_id']}) stays in the demo's database: its page "
-                     "shows reward and eval pass@1 over the steps.")
+                     f"shows reward and eval pass@1 over the steps{shot}.")
     lines.append("")
     return "\n".join(lines)
 

@@ -133,3 +133,20 @@ def test_the_section_compares_the_policies_task_by_task():
     assert "| SFT continued - after SFT | +0.000 (+0.000 to +0.000) | 0 / 0 / 32 |" in text
     del evals["after SFT"]["heldout"]["solved"]  # a demo made before per-task figures: no paired rows for it
     assert [name for name, _ in paired_rows(evals)] == ["after RL - SFT continued"]
+
+
+def test_the_section_names_the_training_runs_screenshot():
+    from service.demo import results_section
+
+    held = {"pass_at_1": 0.3, "pass_at_1_ci": [0.2, 0.4], "pass_at_k": 0.4, "format_error_rate": 0.1, "mean_turns": 3.0}
+    out = {"plan": {"demos": 2, "n_heldout": 32, "eval_samples": 4, "n_heldout_templates": 1,
+                    "eval_templates_samples": 1, "max_turns": 3, "max_tokens": 48},
+           "machine": {"cores": 2, "cpu": "x"}, "wall_s": 60.0, "parameters": 1e6, "pretrain": None,
+           "evals": {"after SFT": {"heldout": held, "heldout-templates": {"pass_at_1": 0.0}}}, "stages": [],
+           "rl_run_id": "4920b79a-e61d-4dc3-9af1-031323323ed5", "complete": True,
+           "screenshot": "/data/screenshots/demo-learn-4920b79a-e61d-4dc3-9af1-031323323ed5.png"}
+    text = results_section(out, "swerve demo learn")
+    assert "over the steps (screenshot: screenshots/demo-learn-4920b79a-e61d-4dc3-9af1-031323323ed5.png)." in text
+    out["screenshot"] = None  # no browser where it ran: the run is still named, no screenshot claimed
+    assert "(4920b79a-e61d-4dc3-9af1-031323323ed5) stays in the demo's database" in results_section(out, "x")
+    assert "screenshot" not in results_section(out, "x")
