@@ -115,7 +115,6 @@ class ExecProcess:
         self.channel.pause = self._pause
         self._reading = asyncio.Event()  # cleared while the channel has a stream paused
         self._reading.set()
-        self._paused: set[int] = set()
         self.stdin: _Pipe | None = None
         self.returncode: int | None = None
         self._pump: asyncio.Task | None = None
@@ -156,8 +155,7 @@ class ExecProcess:
 
     def _pause(self, fd: int, on: bool) -> None:
         """Both streams share the socket: it is read while neither is paused."""
-        self._paused.add(fd) if on else self._paused.discard(fd)
-        self._reading.clear() if self._paused else self._reading.set()
+        self._reading.clear() if self.channel.paused else self._reading.set()
 
     def _exit_code(self) -> int:
         try:
@@ -172,8 +170,8 @@ class ExecProcess:
         return self.returncode
 
     def kill(self) -> None:
-        self._paused.clear()
-        self._reading.set()  # so that the split reads on to the connection's end
+        self.channel.pause = lambda fd, on: None  # the split reads on to the connection's end
+        self._reading.set()
         if self.stdin is not None:
             self.stdin.close()  # the transport's socket: the split sees its end
         else:

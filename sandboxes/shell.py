@@ -153,6 +153,11 @@ class Channel:
             self.out_eof = True
         self._wake(True)
 
+    @property
+    def paused(self) -> bool:
+        """Some stream is paused (set before `pause` is called)."""
+        return bool(self._paused)
+
     def _wake(self, moved: bool) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(moved)
