@@ -141,6 +141,11 @@ class LearnPlan:
     2026-12-05) RL with 0.2 reached 0.400 and format errors 0.167, without it 0.447 and 0.157
     (paired +0.047, +0.004 to +0.096): the weight cost pass@1 and did not lower format errors,
     which fall as much from the solved samples' well-formed calls."""
+    rl_malformed_advantage: float = 0.0
+    """The sampled tokens of a turn without a well-formed tool call get this advantage, negated,
+    in every group (trainer DataConfig.malformed_advantage): the format errors left after RL
+    (0.175 in the demo of 2026-12-05) are all in unsolved episodes, half repetition loops cut
+    at max_tokens and half garbled arguments, which positive-advantage updates never push down."""
     rl_skip_zero: bool = True
     """The RL trainer leaves out samples whose advantage is zero (trainer DataConfig.skip_zero):
     with positive-advantage updates, every sample at or below its group's mean, about half of
@@ -296,7 +301,8 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
                     "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
                     "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale,
                              "credit_malformed": plan.rl_credit_malformed,
-                             "format_weight": plan.rl_format_weight, "skip_zero": plan.rl_skip_zero}},
+                             "format_weight": plan.rl_format_weight, "skip_zero": plan.rl_skip_zero,
+                             "malformed_advantage": plan.rl_malformed_advantage}},
         "inference": {"model": str(model), "endpoints": [endpoint], "max_model_len": plan.max_model_len},
         "serve": {"host": "127.0.0.1", "port": port, "after": False},
     }

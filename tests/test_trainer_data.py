@@ -171,3 +171,47 @@ def test_packing_is_efficient_on_many_sequences():
     seqs = [s for n in rng.integers(50, 2000, 300) for s in episode_sequences([turn(0, int(n) // 2, int(n) - int(n) // 2)], 1.0)]
     rows, _ = pack(seqs, seq_len=8192)
     assert packing_efficiency(rows) > 0.98
+
+
+def test_malformed_advantage_pushes_down_only_the_broken_turns_in_every_group():
+    """With malformed_advantage, a turn without a well-formed call gets -malformed_advantage on
+    its sampled tokens whatever its episode's advantage, and the episode's other turns keep
+    theirs; a group where every sample failed teaches through its malformed turns alone (each
+    episode cut after its last one, clean episodes left out), and at 0 nothing changes."""
+    def episode(i, reward, called):
+        turns = [turn(k, 3, 2, 10 * k) for k in range(len(called))]
+        for t, c in zip(turns, called):
+            t.called = c
+        return EpisodeData(uuid.uuid4(), i, "max_turns", reward, 0, turns)
+
+    def group(*episodes):
+        return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), list(episodes))
+
+    cfg = DataConfig(negative_scale=0.0, skip_zero=True, credit_malformed=False, malformed_advantage=0.25)
+    failed = group(episode(0, 0.0, [True, False, True, False]), episode(1, 0.0, [True, True]))
+    seqs, stats = sequences_from_groups([failed], cfg)
+    assert stats.zero_advantage_groups == 0 and (stats.episodes, stats.skipped_episodes, stats.malformed_turns) == (1, 1, 1)
+    (seq,) = seqs
+    assert len(seq.tokens) == 10  # cut after the first malformed turn
+    assert seq.sampled.tolist() == [False] * 3 + [False] * 2 + [False] * 3 + [True] * 2
+    (row,), _ = pack(seqs, 16)
+    np.testing.assert_allclose(row.advantages[row.loss_mask], [-0.25, -0.25])
+    assert seq.advantage == 0.0
+
+    mixed = group(episode(0, 1.0, [True, False, True]), episode(1, 0.0, [False]), episode(2, 0.0, [True]))
+    seqs, stats = sequences_from_groups([mixed], cfg)
+    assert (stats.episodes, stats.skipped_episodes, stats.malformed_turns) == (2, 1, 2)
+    solved, broken = seqs
+    (row,), _ = pack([solved], 32)
+    # the solved sample: its well-formed turns up by 2/3, its malformed one down
+    np.testing.assert_allclose(row.advantages[row.loss_mask], [2 / 3] * 2 + [-0.25] * 2 + [2 / 3] * 2, rtol=1e-6)
+    (row,), _ = pack([broken], 32)
+    np.testing.assert_allclose(row.advantages[row.loss_mask], [-0.25, -0.25])
+
+    every, _ = sequences_from_groups([mixed], cfg.model_copy(update={"skip_zero": False}))
+    assert len(every) == 3 and every[2].advantages is None and every[2].sampled.sum() == 2  # a zero-advantage sample trains as before
+
+    off, off_stats = sequences_from_groups([failed, mixed], cfg.model_copy(update={"malformed_advantage": 0.0}))
+    assert off_stats.zero_advantage_groups == 1 and off_stats.malformed_turns == 0
+    assert [s.advantages for s in off] == [None] and off[0].sampled.tolist() == (
+        [False] * 3 + [True] * 2 + [False] * 3 + [False] * 2 + [False] * 3 + [True] * 2)

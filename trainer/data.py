@@ -49,6 +49,17 @@ class DataConfig(BaseModel):
     is the log-ratio penalty, near zero on the policy that sampled them, and their forward and
     backward passes cost as much as a taught sample's. With "token" normalisation the step's
     loss is then the mean over the taught samples' tokens."""
+    malformed_advantage: float = Field(0.0, ge=0, le=1)
+    """The sampled tokens of a turn known to lack a well-formed tool call (TurnRecord.called
+    False) get the advantage -malformed_advantage in place of their episode's, in every group
+    whatever its rewards (an unlikelihood term on the broken turns only, as format penalties
+    are in R1-style rewards, but on the turn rather than the episode). Positive-advantage
+    updates never push a repetition loop or garbled arguments down; they shrink only as the
+    solved samples' calls take probability from them. An episode trained only for its
+    malformed turns (advantage zero, or a group without a reward spread) trains its first one
+    and is cut after it: the turns after a broken call follow from a context the policy stops
+    producing once it stops breaking calls, and they are what would cost the step most. The
+    penalised tokens count in the step's token normalisation like any others. 0: off."""
 
 
 @dataclass
@@ -60,6 +71,7 @@ class Sequence:
     episode_id: object = None
     policy_version: int | None = None
     routed_experts: np.ndarray | None = None  # [n, layers, top_k] when every turn carries them
+    advantages: np.ndarray | None = None  # float32 [n]: token i's advantage, where it is not `advantage` everywhere
 
 
 @dataclass
@@ -69,6 +81,7 @@ class BatchStats:
     episodes: int = 0
     excluded_episodes: int = 0
     skipped_episodes: int = 0  # zero advantage, not trained on (DataConfig.skip_zero)
+    malformed_turns: int = 0  # turns pushed down by DataConfig.malformed_advantage
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     truncated_tokens: int = 0
@@ -82,22 +95,32 @@ def group_advantages(rewards: list[float], cfg: DataConfig) -> np.ndarray:
     return adv
 
 
-def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None,
-                      credit_malformed: bool = True) -> list[Sequence]:  # fmt: skip
+def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None, credit_malformed: bool = True,
+                      malformed_advantage: float = 0.0, only_malformed: bool = False) -> list[Sequence]:  # fmt: skip
     """One sequence per segment (a template that rewrites history starts a new one). With
     `credit_malformed` False and a positive advantage, the sampled tokens of turns known to
-    lack a well-formed tool call (TurnRecord.called False) are not trained on."""
+    lack a well-formed tool call (TurnRecord.called False) are not trained on. With
+    `malformed_advantage` above 0 those tokens are trained with advantage -malformed_advantage
+    (DataConfig.malformed_advantage); `only_malformed` trains nothing else, and a segment is cut
+    after its first malformed turn (one without any is left out)."""
     by_segment: dict[int, list[TurnRecord]] = {}
     for t in sorted(turns, key=lambda t: t.idx):
         by_segment.setdefault(t.segment, []).append(t)
     out = []
     for seg_turns in by_segment.values():
-        tokens, sampled, logprobs, experts = [], [], [], []
-        for t in seg_turns:
+        penalised = [malformed_advantage > 0 and t.called is False for t in seg_turns]
+        if only_malformed:
+            if not any(penalised):
+                continue
+            seg_turns = seg_turns[:penalised.index(True) + 1]
+        tokens, sampled, logprobs, experts, advantages = [], [], [], [], []
+        for t, bad in zip(seg_turns, penalised):
             n_in, n_out = len(t.input_ids), len(t.output_ids)
             tokens += [np.asarray(t.input_ids, dtype=np.int64), np.asarray(t.output_ids, dtype=np.int64)]
-            trained = credit_malformed or advantage <= 0 or t.called is not False
+            trained = bad or (not only_malformed and (credit_malformed or advantage <= 0 or t.called is not False))
             sampled += [np.zeros(n_in, dtype=bool), np.full(n_out, trained, dtype=bool)]
+            advantages += [np.zeros(n_in, dtype=np.float32),
+                           np.full(n_out, -malformed_advantage if bad else advantage, dtype=np.float32)]
             lp = t.output_logprobs
             if lp is None or len(lp) != n_out:
                 raise ValueError(f"episode {episode_id} turn {t.idx}: {n_out} sampled tokens but "
@@ -106,6 +129,8 @@ def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None
             experts.append(t.routed_experts)
         seq = Sequence(np.concatenate(tokens), np.concatenate(sampled), np.concatenate(logprobs), advantage,
                        episode_id, min((t.policy_version or 0) for t in seg_turns))
+        if any(penalised):
+            seq.advantages = np.concatenate(advantages)
         if all(e is not None for e in experts):
             seq.routed_experts = np.concatenate(experts)
             if len(seq.routed_experts) != len(seq.tokens):
@@ -130,7 +155,13 @@ def group_advantages_of(group, cfg: DataConfig) -> tuple[list, np.ndarray] | Non
     rewards = [float(e.reward) + cfg.format_weight * well_formed_share(e.turns) for e in episodes]
     adv = group_advantages(rewards, cfg)
     adv = np.where(adv < 0, adv * cfg.negative_scale, adv)
-    return None if np.all(np.abs(adv) < cfg.eps) else (episodes, adv)
+    if np.all(np.abs(adv) < cfg.eps) and not (cfg.malformed_advantage > 0 and any(map(_malformed, episodes))):
+        return None
+    return episodes, adv
+
+
+def _malformed(episode) -> bool:
+    return any(t.called is False for t in episode.turns)
 
 
 def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], BatchStats]:
@@ -148,12 +179,18 @@ def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], Batc
             continue
         episodes, adv = useful
         stats.advantages += adv.tolist()
+        spread = not np.all(np.abs(adv) < cfg.eps)  # without it the group teaches through malformed turns only
         for e, a in zip(episodes, adv):
-            if cfg.skip_zero and abs(a) < cfg.eps:
+            penalised = cfg.malformed_advantage > 0 and _malformed(e)
+            only = abs(a) < cfg.eps and (cfg.skip_zero or not spread)  # nothing to learn but its malformed turns
+            if only and not penalised:
                 stats.skipped_episodes += 1
                 continue
             stats.episodes += 1
-            out += episode_sequences(e.turns, float(a), e.id, cfg.credit_malformed)
+            if penalised:  # every malformed turn, or the first of each segment when only those train
+                bad = [t for t in e.turns if t.called is False]
+                stats.malformed_turns += len({t.segment for t in bad}) if only else len(bad)
+            out += episode_sequences(e.turns, float(a), e.id, cfg.credit_malformed, cfg.malformed_advantage, only)
     return out, stats
 
 
@@ -216,7 +253,7 @@ def pack(sequences: list[Sequence], seq_len: int, pad_id: int = 0) -> tuple[list
             positions[at:at + n] = np.arange(n)
             loss_mask[at:at + n] = s.sampled[1:n + 1]
             inf[at:at + n] = s.inf_logprobs[1:n + 1]
-            adv[at:at + n] = s.advantage
+            adv[at:at + n] = s.advantage if s.advantages is None else s.advantages[1:n + 1]
             seq_ids[at:at + n] = i
             if with_experts:
                 if experts is None:

@@ -392,7 +392,7 @@ def _step_metrics(batch: Batch, sums: list[float], grad_norm: float | None, elap
         "advantage_std": float(np.std(stats.advantages)) if stats.advantages else None,
         "groups": stats.groups, "zero_advantage_groups": stats.zero_advantage_groups,
         "episodes": stats.episodes, "excluded_episodes": stats.excluded_episodes,
-        "skipped_episodes": stats.skipped_episodes,
+        "skipped_episodes": stats.skipped_episodes, "malformed_turns": stats.malformed_turns,
         "sampled_tokens": batch.n_tokens, "tokens": used, "truncated_tokens": batch.truncated,
         "packing_efficiency": packing_efficiency(rows), "grad_norm": grad_norm,
         "step_s": elapsed, "tokens_per_s": used / elapsed if elapsed else None, "ranks": world,
