@@ -6,6 +6,8 @@ trainer."""
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import numpy as np
 import pytest
@@ -42,39 +44,62 @@ def trainer_logprobs(model, prompt: list[int], output: list[int]) -> list[float]
     return lp[len(prompt) - 1:].tolist()
 
 
-async def test_one_step_raises_the_rewarded_sample_and_lowers_the_other(vllm_fleet, migrated_pg_url, tmp_path):
-    from service.fleet.client import FleetConfig, SamplingParams, VLLMClient
+@contextlib.asynccontextmanager
+async def fresh_engine(vllm_fleet, pg_url: str):
+    """An engine on the emptied test database, the fleet's dense model and its server; the
+    server is put back to version 0 afterwards (the session shares it)."""
+    from service.fleet.client import FleetConfig, VLLMClient
     from service.store import db
+    from tests.conftest import _truncate_pg
+
+    model_dir, url = vllm_fleet.models["dense"], vllm_fleet.url("dense-a")
+    _truncate_pg(pg_url)
+    engine = db.make_async_engine(pg_url)
+    try:
+        yield engine, model_dir, url
+    finally:
+        await engine.dispose()
+        async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:
+            assert await fleet.reload(str(model_dir), version=0) == [url]
+
+
+async def two_samples_stored(engine, url: str, seeds: tuple[int, int], rewards: tuple[float, float],
+                             calls: tuple[dict | None, dict | None] = (None, None)):
+    """Two samples of PROMPT drawn from the server at `url`, stored through the buffer as the two
+    episodes of one group of a new run (one turn each, with `calls` as their tool calls) and
+    finished with `rewards`. Returns the run's id and the samples."""
+    from service.fleet.client import FleetConfig, SamplingParams, VLLMClient
     from service.store.buffer import Buffer
     from service.store.records import TurnRecord
     from service.store.tables import Episode, Group
-    from tests.conftest import _truncate_pg
     from tests.test_orchestrator import make_run
+
+    async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:
+        samples = [await fleet.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=s)) for s in seeds]
+    run_id = await make_run(engine, sampler="oracle", samples_per_task=2)
+    buffer = Buffer(engine)
+    async with engine.connect() as conn:
+        group_id = await conn.scalar(sa.select(Group.id).where(Group.run_id == run_id).order_by(Group.id).limit(1))
+        episodes = (await conn.execute(sa.select(Episode.id).where(Episode.group_id == group_id)
+                                       .order_by(Episode.sample_index))).scalars().all()
+    for episode_id, gen, reward, call in zip(episodes, samples, rewards, calls):
+        await buffer.append_turn(episode_id, TurnRecord(
+            idx=0, segment=0, input_ids=np.array(PROMPT), output_ids=np.array(gen.output_ids),
+            output_logprobs=np.array(gen.output_logprobs, dtype=np.float32), policy_version=0,
+            policy_version_end=0, finish_reason=gen.finish_reason, text="", tool_call=call, observation="",
+            generation_s=0.0, tool_s=0.0))
+        await buffer.finish_episode(episode_id, status="submitted", reward=reward, n_turns=1,
+                                    policy_version_min=0, policy_version_max=0)
+    return run_id, samples
+
+
+async def test_one_step_raises_the_rewarded_sample_and_lowers_the_other(vllm_fleet, migrated_pg_url, tmp_path):
     from trainer.config import TrainerConfig
     from trainer.train import Trainer
 
-    model_dir, url = vllm_fleet.models["dense"], vllm_fleet.url("dense-a")
-    _truncate_pg(migrated_pg_url)
-    engine = db.make_async_engine(migrated_pg_url)
-    try:
-        async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:
-            samples = [await fleet.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=s))
-                       for s in (11, 12)]
+    async with fresh_engine(vllm_fleet, migrated_pg_url) as (engine, model_dir, url):
+        run_id, samples = await two_samples_stored(engine, url, (11, 12), (1.0, 0.0))
         assert samples[0].output_ids != samples[1].output_ids
-        run_id = await make_run(engine, sampler="oracle", samples_per_task=2)
-        buffer = Buffer(engine)
-        async with engine.connect() as conn:
-            group_id = await conn.scalar(sa.select(Group.id).where(Group.run_id == run_id).order_by(Group.id).limit(1))
-            episodes = (await conn.execute(sa.select(Episode.id).where(Episode.group_id == group_id)
-                                           .order_by(Episode.sample_index))).scalars().all()
-        for episode_id, gen, reward in zip(episodes, samples, (1.0, 0.0)):
-            await buffer.append_turn(episode_id, TurnRecord(
-                idx=0, segment=0, input_ids=np.array(PROMPT), output_ids=np.array(gen.output_ids),
-                output_logprobs=np.array(gen.output_logprobs, dtype=np.float32), policy_version=0,
-                policy_version_end=0, finish_reason=gen.finish_reason, text="", tool_call=None, observation="",
-                generation_s=0.0, tool_s=0.0))
-            await buffer.finish_episode(episode_id, status="submitted", reward=reward, n_turns=1,
-                                        policy_version_min=0, policy_version_max=0)
 
         cfg = TrainerConfig(name="direction", model=model_dir, out_dir=tmp_path, endpoints=[url], served_model="tiny",
                             run_id=run_id, steps=1, groups_per_step=1, optim={"lr": 1e-3, "grad_clip": None},
@@ -95,48 +120,19 @@ async def test_one_step_raises_the_rewarded_sample_and_lowers_the_other(vllm_fle
         for o in outputs:  # and the reloaded server says the same, token by token
             served, trained = server_logprobs(url, PROMPT, o), trainer_logprobs(trainer.model, PROMPT, o)
             assert max(abs(a - b) for a, b in zip(served, trained)) < PER_TOKEN
-    finally:
-        await engine.dispose()
-        async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:  # the session's fleet: back to version 0
-            assert await fleet.reload(str(model_dir), version=0) == [url]
 
 
 async def test_a_malformed_turn_is_pushed_down_in_a_group_that_failed(vllm_fleet, migrated_pg_url, tmp_path):
     """Two unrewarded samples of one task, one with a well-formed tool call and one without:
-    the group has no reward spread, so without malformed_advantage it teaches nothing; with it,
-    one trainer step lowers the malformed sample's log-probability and trains nothing else."""
-    from service.fleet.client import FleetConfig, SamplingParams, VLLMClient
-    from service.store import db
-    from service.store.buffer import Buffer
-    from service.store.records import TurnRecord
-    from service.store.tables import Episode, Group
-    from tests.conftest import _truncate_pg
-    from tests.test_orchestrator import make_run
+    the group has no reward spread (without malformed_advantage it teaches nothing:
+    test_trainer_data); with it, one trainer step trains the malformed sample alone and lowers
+    its log-probability."""
     from trainer.config import TrainerConfig
     from trainer.train import Trainer
 
-    model_dir, url = vllm_fleet.models["dense"], vllm_fleet.url("dense-a")
-    _truncate_pg(migrated_pg_url)
-    engine = db.make_async_engine(migrated_pg_url)
-    try:
-        async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:
-            samples = [await fleet.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=s))
-                       for s in (21, 22)]
-        run_id = await make_run(engine, sampler="oracle", samples_per_task=2)
-        buffer = Buffer(engine)
-        async with engine.connect() as conn:
-            group_id = await conn.scalar(sa.select(Group.id).where(Group.run_id == run_id).order_by(Group.id).limit(1))
-            episodes = (await conn.execute(sa.select(Episode.id).where(Episode.group_id == group_id)
-                                           .order_by(Episode.sample_index))).scalars().all()
-        calls = ({"name": "submit", "arguments": {}}, None)  # the second turn made no well-formed call
-        for episode_id, gen, call in zip(episodes, samples, calls):
-            await buffer.append_turn(episode_id, TurnRecord(
-                idx=0, segment=0, input_ids=np.array(PROMPT), output_ids=np.array(gen.output_ids),
-                output_logprobs=np.array(gen.output_logprobs, dtype=np.float32), policy_version=0,
-                policy_version_end=0, finish_reason=gen.finish_reason, text="", tool_call=call, observation="",
-                generation_s=0.0, tool_s=0.0))
-            await buffer.finish_episode(episode_id, status="submitted", reward=0.0, n_turns=1,
-                                        policy_version_min=0, policy_version_max=0)
+    async with fresh_engine(vllm_fleet, migrated_pg_url) as (engine, model_dir, url):  # the second sample: no call
+        run_id, samples = await two_samples_stored(engine, url, (21, 22), (0.0, 0.0),
+                                                   ({"name": "submit", "arguments": {}}, None))
 
         cfg = TrainerConfig(name="malformed", model=model_dir, out_dir=tmp_path, endpoints=[url], served_model="tiny",
                             run_id=run_id, steps=1, groups_per_step=1, optim={"lr": 1e-3, "grad_clip": None},
@@ -150,7 +146,3 @@ async def test_a_malformed_turn_is_pushed_down_in_a_group_that_failed(vllm_fleet
         assert history[0]["zero_advantage_groups"] == 0 and history[0]["sampled_tokens"] == len(malformed)
         after = sum(trainer_logprobs(trainer.model, PROMPT, malformed))
         assert after < before, (before, after)
-    finally:
-        await engine.dispose()
-        async with VLLMClient(FleetConfig(endpoints=[url])) as fleet:  # the session's fleet: back to version 0
-            assert await fleet.reload(str(model_dir), version=0) == [url]

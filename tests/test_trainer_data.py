@@ -19,6 +19,18 @@ def turn(idx, n_in, n_out, start=0, segment=0, experts=False):
                       routed_experts=np.full((n_in + n_out, 2, 2), idx, dtype=np.uint8) if experts else None)
 
 
+def called_episode(i, reward, called):
+    """An episode of len(called) turns, each with TurnRecord.called as given."""
+    turns = [turn(k, 3, 2, 10 * k) for k in range(len(called))]
+    for t, c in zip(turns, called):
+        t.called = c
+    return EpisodeData(uuid.uuid4(), i, "max_turns", reward, 0, turns)
+
+
+def called_group(*episodes):
+    return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), list(episodes))
+
+
 def test_advantages():
     cfg = DataConfig()
     np.testing.assert_allclose(group_advantages([1, 0, 0, 1], cfg), [0.5, -0.5, -0.5, 0.5])
@@ -118,24 +130,15 @@ def test_format_weight_ranks_a_groups_failures_by_their_well_formed_turns():
     """Every sample failed: with format_weight the well-formed one rises against the malformed
     ones; the recorded rewards (the batch's statistics) stay the grade's, and without the weight
     the group teaches nothing, as before."""
-    def episode(i, reward, called):
-        turns = [turn(k, 3, 2, 10 * k) for k in range(len(called))]
-        for t, c in zip(turns, called):
-            t.called = c
-        return EpisodeData(uuid.uuid4(), i, "max_turns", reward, 0, turns)
-
-    def group(*episodes):
-        return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), list(episodes))
-
-    failed = group(episode(0, 0.0, [True, True, True]), episode(1, 0.0, [True, False, False]),
-                   episode(2, 0.0, [True, None, False]), episode(3, 0.0, [False, False, False]))
+    failed = called_group(called_episode(0, 0.0, [True, True, True]), called_episode(1, 0.0, [True, False, False]),
+                   called_episode(2, 0.0, [True, None, False]), called_episode(3, 0.0, [False, False, False]))
     seqs, stats = sequences_from_groups([failed], DataConfig(format_weight=0.3, negative_scale=0.0))
     # shares 1, 1/3, 2/3, 0 (unknown counts as well formed): mean 0.5, times 0.3
     np.testing.assert_allclose([s.advantage for s in seqs], [0.15, 0.0, 0.05, 0.0], atol=1e-12)
     assert stats.rewards == [0.0] * 4 and stats.zero_advantage_groups == 0
     seqs, stats = sequences_from_groups([failed], DataConfig(negative_scale=0.0))
     assert seqs == [] and stats.zero_advantage_groups == 1
-    mixed = group(episode(0, 1.0, [True, True, True]), episode(1, 0.0, [True, False, False]))
+    mixed = called_group(called_episode(0, 1.0, [True, True, True]), called_episode(1, 0.0, [True, False, False]))
     seqs, _ = sequences_from_groups([mixed], DataConfig(format_weight=0.3))
     np.testing.assert_allclose([s.advantage for s in seqs], [0.6, -0.6], atol=1e-12)  # 1.3 against 0.1
     with pytest.raises(ValueError, match="format_weight"):
@@ -178,17 +181,8 @@ def test_malformed_advantage_pushes_down_only_the_broken_turns_in_every_group():
     its sampled tokens whatever its episode's advantage, and the episode's other turns keep
     theirs; a group where every sample failed teaches through its malformed turns alone (each
     episode cut after its last one, clean episodes left out), and at 0 nothing changes."""
-    def episode(i, reward, called):
-        turns = [turn(k, 3, 2, 10 * k) for k in range(len(called))]
-        for t, c in zip(turns, called):
-            t.called = c
-        return EpisodeData(uuid.uuid4(), i, "max_turns", reward, 0, turns)
-
-    def group(*episodes):
-        return GroupData(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), list(episodes))
-
     cfg = DataConfig(negative_scale=0.0, skip_zero=True, credit_malformed=False, malformed_advantage=0.25)
-    failed = group(episode(0, 0.0, [True, False, True, False]), episode(1, 0.0, [True, True]))
+    failed = called_group(called_episode(0, 0.0, [True, False, True, False]), called_episode(1, 0.0, [True, True]))
     seqs, stats = sequences_from_groups([failed], cfg)
     assert stats.zero_advantage_groups == 0 and (stats.episodes, stats.skipped_episodes, stats.malformed_turns) == (1, 1, 1)
     (seq,) = seqs
@@ -198,7 +192,8 @@ def test_malformed_advantage_pushes_down_only_the_broken_turns_in_every_group():
     np.testing.assert_allclose(row.advantages[row.loss_mask], [-0.25, -0.25])
     assert seq.advantage == 0.0
 
-    mixed = group(episode(0, 1.0, [True, False, True]), episode(1, 0.0, [False]), episode(2, 0.0, [True]))
+    mixed = called_group(called_episode(0, 1.0, [True, False, True]), called_episode(1, 0.0, [False]),
+                         called_episode(2, 0.0, [True]))
     seqs, stats = sequences_from_groups([mixed], cfg)
     assert (stats.episodes, stats.skipped_episodes, stats.malformed_turns) == (2, 1, 2)
     solved, broken = seqs
