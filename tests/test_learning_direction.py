@@ -122,16 +122,15 @@ async def test_one_step_raises_the_rewarded_sample_and_lowers_the_other(vllm_fle
             assert max(abs(a - b) for a, b in zip(served, trained)) < PER_TOKEN
 
 
-async def test_a_malformed_turn_is_pushed_down_in_a_group_that_failed(vllm_fleet, migrated_pg_url, tmp_path):
-    """Two unrewarded samples of one task, one with a well-formed tool call and one without:
-    the group has no reward spread (without malformed_advantage it teaches nothing:
-    test_trainer_data); with it, one trainer step trains the malformed sample alone and lowers
-    its log-probability."""
+async def test_a_malformed_turn_is_pushed_down_beside_a_rewarded_sample(vllm_fleet, migrated_pg_url, tmp_path):
+    """A rewarded sample with a well-formed tool call and an unrewarded one without: with
+    positive-advantage updates and skip_zero the unrewarded sample has nothing to teach, but with
+    malformed_advantage its malformed turn trains, pushed down, while the rewarded one rises."""
     from trainer.config import TrainerConfig
     from trainer.train import Trainer
 
     async with fresh_engine(vllm_fleet, migrated_pg_url) as (engine, model_dir, url):  # the second sample: no call
-        run_id, samples = await two_samples_stored(engine, url, (21, 22), (0.0, 0.0),
+        run_id, samples = await two_samples_stored(engine, url, (21, 22), (1.0, 0.0),
                                                    ({"name": "submit", "arguments": {}}, None))
 
         cfg = TrainerConfig(name="malformed", model=model_dir, out_dir=tmp_path, endpoints=[url], served_model="tiny",
@@ -139,10 +138,11 @@ async def test_a_malformed_turn_is_pushed_down_in_a_group_that_failed(vllm_fleet
                             data={"seq_len": 128, "negative_scale": 0.0, "skip_zero": True,
                                   "malformed_advantage": 0.5}, wait_s=30)
         trainer = Trainer(cfg, engine)
-        malformed = samples[1].output_ids
-        before = sum(trainer_logprobs(trainer.model, PROMPT, malformed))
+        outputs = [s.output_ids for s in samples]
+        before = [sum(trainer_logprobs(trainer.model, PROMPT, o)) for o in outputs]
         history = await trainer.run()
-        assert (history[0]["episodes"], history[0]["skipped_episodes"], history[0]["malformed_turns"]) == (1, 1, 1)
-        assert history[0]["zero_advantage_groups"] == 0 and history[0]["sampled_tokens"] == len(malformed)
-        after = sum(trainer_logprobs(trainer.model, PROMPT, malformed))
-        assert after < before, (before, after)
+        assert (history[0]["episodes"], history[0]["skipped_episodes"], history[0]["malformed_turns"]) == (2, 0, 1)
+        assert history[0]["sampled_tokens"] == sum(len(o) for o in outputs)
+        after = [sum(trainer_logprobs(trainer.model, PROMPT, o)) for o in outputs]
+        assert after[0] > before[0], (before, after)  # the rewarded sample rose
+        assert after[1] < before[1], (before, after)  # the malformed one, of advantage 0 otherwise, fell

@@ -176,19 +176,24 @@ def test_packing_is_efficient_on_many_sequences():
     assert packing_efficiency(rows) > 0.98
 
 
-def test_malformed_advantage_pushes_down_only_the_broken_turns_in_every_group():
-    """With malformed_advantage, a turn without a well-formed call gets -malformed_advantage on
-    its sampled tokens whatever its episode's advantage, and the episode's other turns keep
-    theirs; a group where every sample failed teaches through its malformed turns alone (each
-    episode cut after its last one, clean episodes left out), and at 0 nothing changes."""
+def test_malformed_advantage_pushes_down_only_the_broken_turns_of_groups_that_teach():
+    """With malformed_advantage, in a group with a reward spread a turn without a well-formed
+    call gets -malformed_advantage on its sampled tokens whatever its episode's advantage, and
+    the episode's other turns keep theirs; a sample with nothing else to teach (advantage zero
+    under skip_zero) trains its first malformed turn alone and is cut after it. A group where
+    every sample failed still teaches nothing, and at 0 nothing changes."""
     cfg = DataConfig(negative_scale=0.0, skip_zero=True, credit_malformed=False, malformed_advantage=0.25)
     failed = called_group(called_episode(0, 0.0, [True, False, True, False]), called_episode(1, 0.0, [True, True]))
     seqs, stats = sequences_from_groups([failed], cfg)
-    assert stats.zero_advantage_groups == 0 and (stats.episodes, stats.skipped_episodes, stats.malformed_turns) == (1, 1, 1)
-    (seq,) = seqs
+    assert seqs == [] and stats.zero_advantage_groups == 1 and stats.malformed_turns == 0
+
+    cut = called_group(called_episode(0, 1.0, [True]), called_episode(1, 0.0, [True, False, True, False]))
+    seqs, stats = sequences_from_groups([cut], cfg)
+    assert (stats.episodes, stats.skipped_episodes, stats.malformed_turns) == (2, 0, 1)
+    seq = seqs[1]
     assert len(seq.tokens) == 10  # cut after the first malformed turn
     assert seq.sampled.tolist() == [False] * 3 + [False] * 2 + [False] * 3 + [True] * 2
-    (row,), _ = pack(seqs, 16)
+    (row,), _ = pack([seq], 16)
     np.testing.assert_allclose(row.advantages[row.loss_mask], [-0.25, -0.25])
     assert seq.advantage == 0.0
 

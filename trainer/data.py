@@ -50,16 +50,23 @@ class DataConfig(BaseModel):
     backward passes cost as much as a taught sample's. With "token" normalisation the step's
     loss is then the mean over the taught samples' tokens."""
     malformed_advantage: float = Field(0.0, ge=0, le=1)
-    """The sampled tokens of a turn known to lack a well-formed tool call (TurnRecord.called
-    False) get the advantage -malformed_advantage in place of their episode's, in every group
-    whatever its rewards (an unlikelihood term on the broken turns only, as format penalties
-    are in R1-style rewards, but on the turn rather than the episode). Positive-advantage
-    updates never push a repetition loop or garbled arguments down; they shrink only as the
-    solved samples' calls take probability from them. An episode trained only for its
-    malformed turns (advantage zero, or a group without a reward spread) trains its first one
-    and is cut after it: the turns after a broken call follow from a context the policy stops
-    producing once it stops breaking calls, and they are what would cost the step most. The
-    penalised tokens count in the step's token normalisation like any others. 0: off."""
+    """In a group with a reward spread, the sampled tokens of a turn known to lack a well-formed
+    tool call (TurnRecord.called False) get the advantage -malformed_advantage in place of their
+    episode's (an unlikelihood term on the broken turns only, as format penalties are in
+    R1-style rewards, but on the turn rather than the episode). Positive-advantage updates never
+    push a repetition loop or garbled arguments down; they shrink only as the solved samples'
+    calls take probability from them. An episode trained only for its malformed turns (advantage
+    zero under skip_zero) trains its first one and is cut after it: the turns after a broken call
+    follow from a context the policy stops producing once it stops breaking calls, and they are
+    what would cost the step most. The penalised tokens count in the step's token normalisation
+    like any others. 0: off.
+
+    Groups without a reward spread are left out as before: applied in every group (the groups
+    that never solve their task then teach through their malformed turns alone), 0.2 from the
+    demo's SFT checkpoint (0.322) took format errors from 0.11 to 0.05-0.09 in the job's own
+    evaluations while its pass@1 fell from 0.547 to 0.016 in 21 steps (bench/RESULTS.md,
+    2026-12-05 evening): with nothing solved to anchor them, the failing groups moved the policy
+    to well-formed calls that solve nothing."""
 
 
 @dataclass
@@ -155,9 +162,7 @@ def group_advantages_of(group, cfg: DataConfig) -> tuple[list, np.ndarray] | Non
     rewards = [float(e.reward) + cfg.format_weight * well_formed_share(e.turns) for e in episodes]
     adv = group_advantages(rewards, cfg)
     adv = np.where(adv < 0, adv * cfg.negative_scale, adv)
-    if np.all(np.abs(adv) < cfg.eps) and not (cfg.malformed_advantage > 0 and any(map(_malformed, episodes))):
-        return None
-    return episodes, adv
+    return None if np.all(np.abs(adv) < cfg.eps) else (episodes, adv)
 
 
 def _malformed(episode) -> bool:
@@ -179,10 +184,9 @@ def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], Batc
             continue
         episodes, adv = useful
         stats.advantages += adv.tolist()
-        spread = not np.all(np.abs(adv) < cfg.eps)  # without it the group teaches through malformed turns only
         for e, a in zip(episodes, adv):
             penalised = cfg.malformed_advantage > 0 and _malformed(e)
-            only = abs(a) < cfg.eps and (cfg.skip_zero or not spread)  # nothing to learn but its malformed turns
+            only = abs(a) < cfg.eps and cfg.skip_zero  # nothing to learn but its malformed turns
             if only and not penalised:
                 stats.skipped_episodes += 1
                 continue

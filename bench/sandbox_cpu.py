@@ -1,0 +1,153 @@
+"""The worker's own CPU per bubblewrap sandbox, user and system apart: N lifecycles (start, one
+command, close) one after another on an event loop in a thread, as the worker's episodes run
+(service/worker/runtime.py), timed by this process's rusage (every thread here, not the
+sandbox's processes). Side by side in one run, alternating, on the same sandboxes:
+
+- asyncio's loop with Python 3.11's default child watcher (a thread per child, blocked in
+  waitpid): what the worker runs;
+- asyncio's loop waiting for children through a pidfd on the loop (PidfdChildWatcher, the
+  default from Python 3.12);
+- uvloop (libuv's process handling).
+
+And per command (`echo hi`) on one sandbox, for the two loops. An episode of bench/rollouts.py
+holds two sandboxes (the agent's and the grading one), so twice the lifecycle figure is what
+sandboxes cost an episode before its commands.
+
+    .venv/bin/python bench/sandbox_cpu.py [--lifecycles 60] [--rounds 3] [--commands 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sandboxes.base import open_sandbox  # noqa: E402
+from sandboxes.config import BwrapSandboxConfig  # noqa: E402
+
+
+def rusage_ms() -> tuple[float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime * 1e3, r.ru_stime * 1e3
+
+
+async def echo(sb) -> None:
+    r = await sb.execute("echo hi")
+    if r.exit_code != 0 or "hi" not in r.output:
+        raise SystemExit(f"command failed: {r}")
+
+
+async def lifecycles(config, n: int) -> tuple[float, float]:
+    """User and system ms of this process per lifecycle."""
+    u0, s0 = rusage_ms()
+    for _ in range(n):
+        async with open_sandbox(config) as sb:
+            await echo(sb)
+    u1, s1 = rusage_ms()
+    return (u1 - u0) / n, (s1 - s0) / n
+
+
+async def commands(config, n: int) -> tuple[float, float]:
+    """User and system us of this process per command, on one warm sandbox."""
+    async with open_sandbox(config) as sb:
+        for _ in range(20):
+            await echo(sb)
+        u0, s0 = rusage_ms()
+        for _ in range(n):
+            await echo(sb)
+        u1, s1 = rusage_ms()
+    return (u1 - u0) / n * 1e3, (s1 - s0) / n * 1e3
+
+
+def on_loop(kind: str, make):
+    """Run make() on a new loop of `kind` in a thread of its own; its result."""
+    out: list = []
+
+    def main() -> None:
+        if kind == "uvloop":
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        else:
+            loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                if kind == "asyncio, pidfd":
+                    watcher = asyncio.PidfdChildWatcher()
+                elif kind == "asyncio, thread per child":
+                    watcher = asyncio.ThreadedChildWatcher()
+                else:
+                    watcher = None
+                if watcher is not None:  # Python 3.11: one watcher for the process, attached to this loop
+                    asyncio.set_child_watcher(watcher)
+                    watcher.attach_loop(loop)
+            out.append(loop.run_until_complete(make()))
+        finally:  # the sandboxes' reaper task ends with its loop
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lifecycles", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--commands", type=int, default=300)
+    args = ap.parse_args()
+    repo = Path(tempfile.mkdtemp(prefix="swerve-bench-")) / "repo"
+    repo.mkdir()
+    (repo / "a.py").write_text("x = 1\n")
+    config = BwrapSandboxConfig(root=repo)
+    kinds = ["asyncio, thread per child", "asyncio, pidfd", "uvloop"]
+    for kind in kinds:  # warm: the page cache, the imports
+        on_loop(kind, lambda: lifecycles(config, 5))
+    per_life = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            per_life[kind].append(on_loop(kind, lambda: lifecycles(config, args.lifecycles)))
+    per_command = {k: [] for k in kinds if k != "asyncio, pidfd"}
+    for _ in range(args.rounds):
+        for kind in per_command:
+            per_command[kind].append(on_loop(kind, lambda: commands(config, args.commands)))
+
+    def row(values):
+        us, ss = [u for u, _ in values], [s for _, s in values]
+        med_u, med_s = statistics.median(us), statistics.median(ss)
+        rounds = ", ".join(f"{u:.2f}+{s:.2f}" for u, s in values)
+        return med_u, med_s, rounds
+
+    print(f"{args.lifecycles} lifecycles (start, `echo hi`, close) a round, {args.rounds} rounds, alternating")
+    print("| loop | user ms | system ms | all ms | rounds (user+system) |")
+    print("|---|---|---|---|---|")
+    for kind, values in per_life.items():
+        u, s, rounds = row(values)
+        print(f"| {kind} | {u:.2f} | {s:.2f} | {u + s:.2f} | {rounds} |")
+    print(f"\nper command, {args.commands} on one sandbox (us)")
+    print("| loop | user us | system us | all us | rounds (user+system) |")
+    print("|---|---|---|---|---|")
+    for kind, values in per_command.items():
+        u, s, _ = row(values)
+        print(f"| {kind} | {u:.0f} | {s:.0f} | {u + s:.0f} | {', '.join(f'{a:.0f}+{b:.0f}' for a, b in values)} |")
+
+
+if __name__ == "__main__":
+    main()
