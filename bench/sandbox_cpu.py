@@ -129,26 +129,22 @@ def main() -> None:
         for kind in per_command:
             per_command[kind].append(on_loop(kind, lambda: commands(config, args.commands)))
 
-    def row(values):
-        """Medians of user, system and their sum over the rounds (the kernel splits a process's
-        time between user and system by ticks, so the split is noisier than the sum)."""
+    print(f"{args.lifecycles} lifecycles (start, `echo hi`, close) a round, {args.rounds} rounds, alternating")
+    table(per_life, "ms", 2)
+    print(f"\nper command, {args.commands} on one sandbox (us)")
+    table(per_command, "us", 0)
+
+
+def table(by_kind: dict[str, list[tuple[float, float]]], unit: str, digits: int) -> None:
+    """A row per loop: medians of user, system and their sum over the rounds (the kernel splits a
+    process's time between user and system by ticks, so the split is noisier than the sum)."""
+    print(f"| loop | user {unit} | system {unit} | all {unit} | rounds (user+system) |")
+    print("|---|---|---|---|---|")
+    for kind, values in by_kind.items():
         med = [statistics.median(x) for x in ([u for u, _ in values], [s for _, s in values],
                                                [u + s for u, s in values])]
-        return (*med, ", ".join(f"{u:.2f}+{s:.2f}" for u, s in values))
-
-    print(f"{args.lifecycles} lifecycles (start, `echo hi`, close) a round, {args.rounds} rounds, alternating")
-    print("| loop | user ms | system ms | all ms | rounds (user+system) |")
-    print("|---|---|---|---|---|")
-    for kind, values in per_life.items():
-        u, s, both, rounds = row(values)
-        print(f"| {kind} | {u:.2f} | {s:.2f} | {both:.2f} | {rounds} |")
-    print(f"\nper command, {args.commands} on one sandbox (us)")
-    print("| loop | user us | system us | all us | rounds (user+system) |")
-    print("|---|---|---|---|---|")
-    for kind, values in per_command.items():
-        u, s, both, _ = row(values)
-        print(f"| {kind} | {u:.0f} | {s:.0f} | {both:.0f} | {', '.join(f'{a:.0f}+{b:.0f}' for a, b in values)} |")
-
+        rounds = ", ".join(f"{u:.{digits}f}+{s:.{digits}f}" for u, s in values)
+        print(f"| {kind} | " + " | ".join(f"{m:.{digits}f}" for m in med) + f" | {rounds} |")
 
 if __name__ == "__main__":
     main()
