@@ -143,7 +143,8 @@ class LearnPlan:
     which fall as much from the solved samples' well-formed calls."""
     rl_malformed_advantage: float = 0.0
     """The sampled tokens of a turn without a well-formed tool call get this advantage, negated,
-    in every group (trainer DataConfig.malformed_advantage): the format errors left after RL
+    in the groups with a reward spread (trainer DataConfig.malformed_advantage, which says why
+    not in every group): the format errors left after RL
     (0.175 in the demo of 2026-12-05) are all in unsolved episodes, half repetition loops cut
     at max_tokens and half garbled arguments, which positive-advantage updates never push down.
     Off: from one SFT checkpoint (0.322, format errors 0.206; bench/demo_rl_variant.py,
