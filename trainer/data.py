@@ -165,10 +165,6 @@ def group_advantages_of(group, cfg: DataConfig) -> tuple[list, np.ndarray] | Non
     return None if np.all(np.abs(adv) < cfg.eps) else (episodes, adv)
 
 
-def _malformed(episode) -> bool:
-    return any(t.called is False for t in episode.turns)
-
-
 def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], BatchStats]:
     """`groups`: buffer.GroupData. Episodes without a reward (harness failures) are excluded."""
     stats = BatchStats()
@@ -185,15 +181,14 @@ def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], Batc
         episodes, adv = useful
         stats.advantages += adv.tolist()
         for e, a in zip(episodes, adv):
-            penalised = cfg.malformed_advantage > 0 and _malformed(e)
+            bad = [t for t in e.turns if t.called is False] if cfg.malformed_advantage > 0 else []
             only = abs(a) < cfg.eps and cfg.skip_zero  # nothing to learn but its malformed turns
-            if only and not penalised:
+            if only and not bad:
                 stats.skipped_episodes += 1
                 continue
             stats.episodes += 1
-            if penalised:  # every malformed turn, or the first of each segment when only those train
-                bad = [t for t in e.turns if t.called is False]
-                stats.malformed_turns += len({t.segment for t in bad}) if only else len(bad)
+            # every malformed turn, or the first of each segment when only those train
+            stats.malformed_turns += len({t.segment for t in bad}) if only else len(bad)
             out += episode_sequences(e.turns, float(a), e.id, cfg.credit_malformed, cfg.malformed_advantage, only)
     return out, stats
 
