@@ -441,6 +441,8 @@ def _pyfix_task(rng: random.Random, t: Template, group: int, distractors: int) -
         return None
     pkg = (_pick(rng, PACKAGES, group) if rng.random() < 0.25
            else f"{_pick(rng, WORDS, group)}{rng.choice(SUFFIXES)}")
+    if pkg in sys.stdlib_module_names:  # the word list's "keyword": the tests would import the standard library's
+        return None
     module = _pick(rng, MODULES, group)
     path = f"{pkg}/{module}.py"
     args, want, got = failing[0]
