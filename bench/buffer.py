@@ -194,7 +194,7 @@ async def _copy_rows(conn, episode_ids):
     out = []
     async with raw.cursor() as cur:
         async with cur.copy(module._PG_FETCH, (list(episode_ids),)) as copy:
-            copy.set_types(["uuid", "int4", "int4", "bytea", "bytea", "bytea", "bytea", "int4", "bool"])
+            copy.set_types(["uuid", "int4", "int4", "bytea", "bytea", "bytea", "bytea", "int4", "int4", "bool"])
             async for row in copy.rows():
                 out.append(row)
     return out

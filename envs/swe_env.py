@@ -156,6 +156,8 @@ class StepResult:
     done: bool
     tool_call: dict | None
     error: str | None = None
+    error_at: int | None = None
+    """Where in the text the action went wrong (tools.ParsedAction.error_at), when known."""
 
 
 class SWEEnv:
@@ -184,7 +186,7 @@ class SWEEnv:
         await self.base()
         parsed = parse_tool_call(text)
         if parsed.call is None:
-            return StepResult(parsed.error, False, None, parsed.error)
+            return StepResult(parsed.error, False, None, parsed.error, parsed.error_at)
         call = parsed.call
         record = {"name": call.name, "arguments": call.arguments}
         if call.name == "submit":

@@ -45,6 +45,10 @@ class ToolCall:
 class ParsedAction:
     call: ToolCall | None
     error: str | None = None
+    error_at: int | None = None
+    """Where in the text the call went wrong (a character offset) when the parser can tell: the
+    JSON's first bad character, or the text's end for a call opened and never closed. None:
+    well formed, or wrong as a whole (no call at all, not an object)."""
 
 
 def parse_tool_call(text: str) -> ParsedAction:
@@ -52,11 +56,12 @@ def parse_tool_call(text: str) -> ParsedAction:
     match = _TOOL_CALL.search(text)
     if match is None:
         return ParsedAction(None, "No tool call found. Call a tool with <tool_call>{\"name\": ..., "
-                                  "\"arguments\": {...}}</tool_call>.")
+                                  "\"arguments\": {...}}</tool_call>.",
+                            len(text) if "<tool_call>" in text else None)
     try:
         data = json.loads(match.group(1))
     except json.JSONDecodeError as e:
-        return ParsedAction(None, f"The tool call is not valid JSON ({e.msg} at char {e.pos}).")
+        return ParsedAction(None, f"The tool call is not valid JSON ({e.msg} at char {e.pos}).", match.start(1) + e.pos)
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return ParsedAction(None, 'The tool call must be an object with a "name" string.')
     arguments = data.get("arguments", {})

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from envs.swe_env import StepResult
 from envs.tools import TOOLS, parse_tool_call
-from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, run_episode
-from service.fleet.client import ContextExceeded, SamplingParams
+from service.worker.agent import AgentConfig, MemoryTurnSink, TokenRenderer, repetition_start, run_episode
+from service.fleet.client import ContextExceeded, Generation, SamplingParams
 from service.worker.scripted import ScriptedSampler, tool_call_text
 from service.fleet.tiny_model import init_tiny
 
@@ -42,7 +42,7 @@ class ScriptedEnv:
         obs = self.observations[self.steps % len(self.observations)] if self.observations else ""
         self.steps += 1
         call = {"name": parsed.call.name, "arguments": parsed.call.arguments} if parsed.call else None
-        return StepResult(obs if parsed.call else parsed.error, False, call)
+        return StepResult(obs if parsed.call else parsed.error, False, call, parsed.error, parsed.error_at)
 
     async def diff(self) -> str:
         return ""
@@ -172,6 +172,70 @@ def test_a_tool_call_holding_a_lone_surrogate_gets_an_observation():
     parsed = parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\udcff"}}</tool_call>')
     assert parsed.call is None and "lone surrogate" in parsed.error
     assert parse_tool_call('<tool_call>{"name": "bash", "arguments": {"command": "echo \\ud83d\\ude00"}}</tool_call>').call
+
+
+def test_the_parser_says_where_a_call_broke():
+    """error_at: the JSON's first bad character; the text's end for a call never closed; None for
+    no call at all or a well-formed one."""
+    text = 'I will fix it. <tool_call>{"name": "str_replace_editor", "arguments": {"old_str": "f("x")"}}</tool_call>'
+    parsed = parse_tool_call(text)
+    assert parsed.call is None and text[parsed.error_at - 1:parsed.error_at + 2] == '"x"'  # the string closed at f(
+    unclosed = '<tool_call>{"name": "bash", "arguments": {"command": "ls'
+    assert parse_tool_call(unclosed).error_at == len(unclosed)
+    assert parse_tool_call("Thinking about it.").error_at is None
+    assert parse_tool_call(tool_call_text("submit", {})).error_at is None
+
+
+def test_a_loop_is_found_where_it_began_repeating():
+    assert repetition_start([1, 2, 3, 4, 5, 6, 4, 5, 6, 4, 5, 6, 4, 5]) == 6  # the second copy of 4 5 6
+    assert repetition_start([9, 8] + [7] * 10) == 3
+    assert repetition_start([1, 2, 3, 4, 5, 6, 4, 5, 6]) is None  # two copies: not yet a loop
+    assert repetition_start(list(range(50))) is None and repetition_start([]) is None
+
+
+class FixedSampler:
+    """Hands back the given turns' ids with their finish reasons, then a submit."""
+
+    def __init__(self, tokenizer, turns: list[tuple[list[int], str]]):
+        self.turns = list(turns) + [(tokenizer.encode(tool_call_text("submit", {})), "stop")]
+
+    async def generate(self, token_ids, sampling, *, session=None, keep_experts_from=0) -> Generation:
+        ids, reason = self.turns.pop(0)
+        return Generation(output_ids=list(ids), output_logprobs=[0.0] * len(ids), finish_reason=reason,
+                          policy_version=0, policy_version_end=0, server="fixed", prompt_tokens=len(token_ids))
+
+
+async def test_a_malformed_turn_records_the_token_where_it_broke(tokenizer):
+    """TurnRecord.malformed_at: for a garbled call, the sampled token holding the parser's first
+    bad character; for a loop cut at max_tokens, the token where it began repeating; None for a
+    well-formed call and for a turn without any call."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    garbled = '<tool_call>{"name": "str_replace_editor", "arguments": {"command": "view", "path" "a.py"}}</tool_call>'
+    bad_at = parse_tool_call(garbled).error_at
+    loop = tokenizer.encode('<tool_call>{"name": "bash", "arguments": {"command": "echo') + tokenizer.encode(" ab") * 12
+    well = tool_call_text("bash", {"command": "ls"})
+    turns = [(tokenizer.encode(garbled) + [eos], "stop"), (loop, "length"), (tokenizer.encode(well) + [eos], "stop"),
+             (tokenizer.encode("No idea.") + [eos], "stop")]
+    sink = MemoryTurnSink()
+    result = await run_episode(FixedSampler(tokenizer, turns), ScriptedEnv(["ok"]), TokenRenderer(tokenizer, TOOLS),
+                               AgentConfig(), sink)
+    assert result.status == "submitted" and len(sink.turns) == 5
+    broken = sink.turns[0]
+    k = broken.malformed_at
+    assert len(tokenizer.decode(broken.output_ids[:k])) <= bad_at < len(tokenizer.decode(broken.output_ids[:k + 1]))
+    assert sink.turns[1].malformed_at == len(loop) - 12 * len(tokenizer.encode(" ab")) + len(tokenizer.encode(" ab"))
+    assert [t.malformed_at for t in sink.turns[2:]] == [None, None, None]
+
+
+def test_token_at_finds_the_token_holding_a_character(tokenizer):
+    renderer = TokenRenderer(tokenizer, TOOLS)
+    text = 'print("héllo")  # ü € 𝄞\n' * 3
+    ids = tokenizer.encode(text)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for offset in range(len(text)):
+        k = renderer.token_at(ids + [eos], offset)
+        assert len(tokenizer.decode(ids[:k])) <= offset < len(tokenizer.decode(ids[:k + 1])), offset
+    assert renderer.token_at(ids + [eos], len(text)) == len(ids)  # past the text: the end-of-turn token
 
 
 _SPECIAL = st.sampled_from(["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<|endoftext|>",

@@ -98,7 +98,8 @@ async def test_load_gives_every_episodes_turns_exactly_and_in_order(buffer):
                                output_logprobs=None if idx == 1 else (-rng.random(k + 1)).astype(np.float32).tolist(),
                                policy_version=idx % 3, routed_experts=None if n == 0 else
                                rng.integers(0, 256, (2 * k + 1, 4, 8)).astype(np.uint8),
-                               tool_call={"name": "bash", "arguments": {"command": "ls"}} if idx % 2 else None)
+                               tool_call={"name": "bash", "arguments": {"command": "ls"}} if idx % 2 else None,
+                               malformed_at=None if idx % 2 or n == 1 else int(rng.integers(0, k + 1)))
                 await buffer.append_turn(e, t)
                 written.setdefault(e, {})[idx] = t
     await finish_all(buffer, groups)
@@ -113,6 +114,7 @@ async def test_load_gives_every_episodes_turns_exactly_and_in_order(buffer):
                 ref = want[got.idx]
                 assert (got.segment, got.policy_version) == (ref.segment, ref.policy_version)
                 assert got.called is (ref.tool_call is not None)  # a well-formed call, as training asks
+                assert got.malformed_at == ref.malformed_at
                 assert got.input_ids.tolist() == list(ref.input_ids) and got.output_ids.tolist() == list(ref.output_ids)
                 if ref.output_logprobs is None:
                     assert got.output_logprobs is None
@@ -383,7 +385,7 @@ async def test_the_turns_copy_stream_parses_the_same_however_it_is_cut(migrated_
                     idx=idx, segment=idx, input_ids=rng.integers(0, 9, 40).tolist(), output_ids=[idx, 7],
                     output_logprobs=None if idx == 1 else [-0.25, -2.0], policy_version=None if idx == 2 else idx,
                     routed_experts=rng.integers(0, 8, (42, 2, 2)).astype(np.uint8) if idx == 0 else None,
-                    tool_call={"name": "submit"} if idx else None))
+                    tool_call={"name": "submit"} if idx else None, malformed_at=None if idx else 1))
         async with engine.connect() as conn:
             want = await _fetch_turns(conn, episodes)
     finally:
@@ -391,6 +393,7 @@ async def test_the_turns_copy_stream_parses_the_same_however_it_is_cut(migrated_
     assert [(e, t.idx) for e, t in want] == sorted((e, i) for e in episodes for i in range(3))
     assert [t.policy_version for _, t in want] == [0, 1, None] * 2
     assert [t.called for _, t in want] == [False, True, True] * 2
+    assert [t.malformed_at for _, t in want] == [1, None, None] * 2
     assert [t.output_logprobs is None for _, t in want] == [False, True, False] * 2
 
     with psycopg.connect(db.sync_url(migrated_pg_url).replace("postgresql+psycopg", "postgresql")) as conn:

@@ -211,6 +211,22 @@ def test_malformed_advantage_pushes_down_only_the_broken_turns_of_groups_that_te
     every, _ = sequences_from_groups([mixed], cfg.model_copy(update={"skip_zero": False}))
     assert len(every) == 3 and every[2].advantages is None and every[2].sampled.sum() == 2  # a zero-advantage sample trains as before
 
+    broke = called_group(called_episode(0, 1.0, [True]), called_episode(1, 0.0, [True, False, True]))
+    broke.episodes[1].turns[1].malformed_at = 1  # its second sampled token is where the call broke
+    broke.episodes[0].turns[0].malformed_at = 0  # a well-formed turn's is never read
+    seqs, stats = sequences_from_groups([broke], cfg)
+    assert stats.malformed_turns == 1 and seqs[0].advantages is None
+    assert seqs[1].sampled.tolist() == [False] * 5 + [False] * 3 + [False, True]
+    (row,), _ = pack([seqs[1]], 16)
+    np.testing.assert_allclose(row.advantages[row.loss_mask], [-0.25])
+    seqs, _ = sequences_from_groups([broke], cfg.model_copy(update={"skip_zero": False}))
+    # trained as the episode: its well-formed start at the episode's advantage (0 here), pushed down from the break
+    assert seqs[1].sampled.tolist() == [False] * 3 + [True] * 2 + [False] * 3 + [True, True] + [False] * 3 + [True] * 2
+    np.testing.assert_allclose(seqs[1].advantages[seqs[1].sampled], [0, 0, 0, -0.25, 0, 0])
+    broke.episodes[1].turns[1].malformed_at = 2  # out of the turn's range: the whole turn
+    seqs, _ = sequences_from_groups([broke], cfg)
+    assert seqs[1].sampled.tolist() == [False] * 8 + [True] * 2
+
     off, off_stats = sequences_from_groups([failed, mixed], cfg.model_copy(update={"malformed_advantage": 0.0}))
     assert off_stats.zero_advantage_groups == 1 and off_stats.malformed_turns == 0
     assert [s.advantages for s in off] == [None] and off[0].sampled.tolist() == (

@@ -53,7 +53,10 @@ class DataConfig(BaseModel):
     """In a group with a reward spread, the sampled tokens of a turn known to lack a well-formed
     tool call (TurnRecord.called False) get the advantage -malformed_advantage in place of their
     episode's (an unlikelihood term on the broken turns only, as format penalties are in
-    R1-style rewards, but on the turn rather than the episode). Positive-advantage updates never
+    R1-style rewards, but on the turn rather than the episode): from the token where the turn
+    broke (TurnRecord.malformed_at: the call's first bad character, or where a loop cut at
+    max_tokens began repeating) to its end, its well-formed start trained as its episode's; the
+    whole turn when that is not known. Positive-advantage updates never
     push a repetition loop or garbled arguments down; they shrink only as the solved samples'
     calls take probability from them. An episode trained only for its malformed turns (advantage
     zero under skip_zero) trains its first one and is cut after it: the turns after a broken call
@@ -107,8 +110,9 @@ def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None
     """One sequence per segment (a template that rewrites history starts a new one). With
     `credit_malformed` False and a positive advantage, the sampled tokens of turns known to
     lack a well-formed tool call (TurnRecord.called False) are not trained on. With
-    `malformed_advantage` above 0 those tokens are trained with advantage -malformed_advantage
-    (DataConfig.malformed_advantage); `only_malformed` trains nothing else, and a segment is cut
+    `malformed_advantage` above 0 those tokens, from where the turn broke (TurnRecord.malformed_at),
+    are trained with advantage -malformed_advantage (DataConfig.malformed_advantage);
+    `only_malformed` trains nothing else, and a segment is cut
     after its first malformed turn (one without any is left out)."""
     by_segment: dict[int, list[TurnRecord]] = {}
     for t in sorted(turns, key=lambda t: t.idx):
@@ -124,10 +128,16 @@ def episode_sequences(turns: list[TurnRecord], advantage: float, episode_id=None
         for t, bad in zip(seg_turns, penalised):
             n_in, n_out = len(t.input_ids), len(t.output_ids)
             tokens += [np.asarray(t.input_ids, dtype=np.int64), np.asarray(t.output_ids, dtype=np.int64)]
-            trained = bad or (not only_malformed and (credit_malformed or advantage <= 0 or t.called is not False))
-            sampled += [np.zeros(n_in, dtype=bool), np.full(n_out, trained, dtype=bool)]
-            advantages += [np.zeros(n_in, dtype=np.float32),
-                           np.full(n_out, -malformed_advantage if bad else advantage, dtype=np.float32)]
+            trained = not only_malformed and (credit_malformed or advantage <= 0 or t.called is not False)
+            # a penalised turn: pushed down from where it broke (all of it when that is not known), its
+            # well-formed start trained as an unpenalised malformed turn's tokens would be
+            broke = (t.malformed_at if t.malformed_at is not None and 0 <= t.malformed_at < n_out else 0) if bad else n_out
+            turn_sampled = np.full(n_out, trained, dtype=bool)
+            turn_sampled[broke:] = True
+            turn_advantages = np.full(n_out, advantage, dtype=np.float32)
+            turn_advantages[broke:] = -malformed_advantage
+            sampled += [np.zeros(n_in, dtype=bool), turn_sampled]
+            advantages += [np.zeros(n_in, dtype=np.float32), turn_advantages]
             lp = t.output_logprobs
             if lp is None or len(lp) != n_out:
                 raise ValueError(f"episode {episode_id} turn {t.idx}: {n_out} sampled tokens but "

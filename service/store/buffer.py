@@ -145,7 +145,7 @@ _PG_COLUMNS = {  # column: type, cast explicitly (INSERT ... SELECT does not inf
     "output_logprobs": "bytea", "routed_experts": "bytea", "n_input_tokens": "integer",
     "n_output_tokens": "integer", "policy_version": "integer", "finish_reason": "varchar", "text": "text",
     "tool_call": "jsonb", "observation": "text", "started_at": "timestamptz", "generation_s": "float8",
-    "tool_s": "float8"}
+    "tool_s": "float8", "malformed_at": "integer"}
 _PG_VALUES = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
 # a turn with an attempt share-locks its episode's row: a restart (which moves the attempt, then
 # deletes the turns) waits for this turn, and the turn is refused once the attempt moved; a turn
@@ -158,7 +158,7 @@ _PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) SELECT {_PG_VALUES}
 the batch) or a fenced-off turn."""
 
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
-                 Turn.output_logprobs, Turn.routed_experts, Turn.policy_version)
+                 Turn.output_logprobs, Turn.routed_experts, Turn.policy_version, Turn.malformed_at)
 _CALLED = sa.func.coalesce(sa.cast(Turn.tool_call, sa.Text), "null") != "null"
 """Whether the turn made a well-formed tool call: its tool_call is stored (SQLAlchemy's JSON
 stores None as JSON null on SQLite; psycopg's hot path as SQL NULL)."""
@@ -176,13 +176,14 @@ _ROW_HEAD = struct.Struct(">i16siiii")
 """A turns' COPY row's fixed-size start: the episode id, the turn's index and segment, each after its length."""
 
 
-def _turn_of(episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version,
+def _turn_of(episode_id, idx, segment, input_ids, output_ids, logprobs, experts, version, malformed_at,
              called) -> tuple[uuid.UUID, TurnRecord]:
     """A row of _TURN_COLUMNS and _CALLED as the episode's id and its decoded turn."""
     return episode_id, TurnRecord(
         idx=idx, segment=segment, input_ids=decode_array(input_ids), output_ids=decode_array(output_ids),
         output_logprobs=decode_array(logprobs) if logprobs else None,
-        routed_experts=decode_array(experts) if experts else None, policy_version=version, called=bool(called))
+        routed_experts=decode_array(experts) if experts else None, policy_version=version, called=bool(called),
+        malformed_at=malformed_at)
 
 
 class _CopyRows:
@@ -234,7 +235,7 @@ class _CopyRows:
                                "bytes, not an episode id, an index and a segment")
         at += _ROW_HEAD.size
         values = []
-        for _ in range(6):
+        for _ in range(len(_TURN_COLUMNS) - 2):
             if at + 4 > end:
                 return None, at
             (n,) = _INT32.unpack_from(data, at)
@@ -246,9 +247,10 @@ class _CopyRows:
             else:
                 values.append(data[at:at + n])
                 at += n
-        input_ids, output_ids, logprobs, experts, version, called = values
+        input_ids, output_ids, logprobs, experts, version, malformed_at, called = values
         return _turn_of(self.ids[episode], idx, segment, input_ids, output_ids, logprobs, experts,
                         None if version is None else _INT32.unpack(version)[0],
+                        None if malformed_at is None else _INT32.unpack(malformed_at)[0],
                         called is not None and called[0] == 1), at
 
     def result(self) -> list[tuple]:
@@ -515,6 +517,7 @@ class Buffer:
             "text": storable(turn.text), "tool_call": storable(turn.tool_call),
             "observation": storable(turn.observation),
             "started_at": utcnow(), "generation_s": turn.generation_s, "tool_s": turn.tool_s,
+            "malformed_at": turn.malformed_at,
         }  # fmt: skip
         with _refusals(f"turn {turn.idx} of episode {episode_id}"):
             if self.engine.dialect.name == "postgresql":

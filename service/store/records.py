@@ -124,3 +124,7 @@ class TurnRecord:
     """uint8/uint16 [len(input_ids)+len(output_ids), layers, top_k], or None."""
     called: bool | None = None
     """Loaded for training: whether the turn made a well-formed tool call (None: not known)."""
+    malformed_at: int | None = None
+    """For a turn without a well-formed tool call: the index in output_ids of the first sampled
+    token to blame (agent.break_of: where the call broke, or where a loop cut at max_tokens began
+    repeating). None: well formed, or the whole turn is to blame."""

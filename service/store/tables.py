@@ -251,6 +251,8 @@ class Turn(Base):
     tool_call: Mapped[dict | None] = mapped_column(JSONType)
     observation: Mapped[str | None] = mapped_column(sa.Text)
     """What the environment answered to this turn's action (the next turn's input, as text)."""
+    malformed_at: Mapped[int | None] = mapped_column()
+    """Without a well-formed tool call: the first sampled token to blame (TurnRecord.malformed_at)."""
     started_at: Mapped[datetime] = _created_at()
     generation_s: Mapped[float | None] = mapped_column(sa.Float)
     tool_s: Mapped[float | None] = mapped_column(sa.Float)

@@ -163,6 +163,45 @@ class TokenRenderer:
     def full(self, messages: list[dict]) -> list[int]:
         return self.encode(self._text(messages, generation=True, tools=self.tools))
 
+    def token_at(self, ids: list[int], offset: int) -> int:
+        """The index in `ids` (a turn's sampled tokens) of the token that holds character `offset`
+        of their text (decoded as the loop decodes a turn, end-of-turn tokens left out); the last
+        token when `offset` is at or past the text's end (the turn ended where the text needed more)."""
+        lo, hi = 0, len(ids) - 1  # the first k whose prefix ids[:k + 1] decodes past `offset`
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.decode([t for t in ids[:mid + 1] if t != self.eos_id])) > offset:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def repetition_start(ids: list[int], repeats: int = 3, max_period: int = 64) -> int | None:
+    """Where a turn's tail began repeating itself: the first token of the second of at least
+    `repeats` copies of a span of up to `max_period` tokens running to its end (a sampled loop
+    that max_tokens cut), the earliest over the spans; None when its tail does not repeat."""
+    n, start = len(ids), None
+    for period in range(1, min(max_period, n // repeats) + 1):
+        i = n - period - 1
+        while i >= 0 and ids[i] == ids[i + period]:
+            i -= 1
+        if n - i - 1 >= repeats * period:  # ids[i + 1:] repeats with this period
+            start = i + 1 + period if start is None else min(start, i + 1 + period)
+    return start
+
+
+def break_of(renderer: TokenRenderer, output_ids: list[int], finish_reason: str | None,
+             error_at: int | None) -> int | None:
+    """TurnRecord.malformed_at of a turn without a well-formed tool call: for one cut at
+    max_tokens, where its loop began (repetition_start); else the token holding the parser's
+    `error_at` (StepResult.error_at). None when neither is known: the whole turn is to blame."""
+    if not output_ids:
+        return None
+    if finish_reason == "length":
+        return repetition_start(output_ids)
+    return None if error_at is None else renderer.token_at(output_ids, error_at)
+
 
 async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cfg: AgentConfig,
                       sink: TurnSink, *, session: str | None = None) -> EpisodeResult:
@@ -185,6 +224,8 @@ async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cf
                 generated = time.monotonic()
                 text = renderer.decode([t for t in gen.output_ids if t != renderer.eos_id])
                 step = await env.step(text)
+                malformed_at = None if step.tool_call is not None else break_of(
+                    renderer, gen.output_ids, gen.finish_reason, step.error_at)
                 turn = TurnRecord(
                     idx=result.n_turns, segment=len(result.segment_starts) - 1, input_ids=pending,
                     output_ids=gen.output_ids, output_logprobs=gen.output_logprobs,
@@ -192,7 +233,7 @@ async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cf
                     finish_reason=gen.finish_reason, text=text, tool_call=step.tool_call,
                     observation=None if step.done else step.observation,
                     generation_s=generated - started, tool_s=time.monotonic() - generated,
-                    routed_experts=gen.routed_experts,
+                    routed_experts=gen.routed_experts, malformed_at=malformed_at,
                 )  # fmt: skip
                 await sink.append(turn)
                 _account(result, turn)  # once stored: n_turns counts the turns the store holds
