@@ -141,15 +141,19 @@ class LearnPlan:
     2026-12-05) RL with 0.2 reached 0.400 and format errors 0.167, without it 0.447 and 0.157
     (paired +0.047, +0.004 to +0.096): the weight cost pass@1 and did not lower format errors,
     which fall as much from the solved samples' well-formed calls."""
-    rl_malformed_advantage: float = 0.0
+    rl_malformed_advantage: float = 0.2
     """The sampled tokens of a turn without a well-formed tool call get this advantage, negated,
-    in the groups with a reward spread (trainer DataConfig.malformed_advantage, which says why
-    not in every group): the format errors left after RL
-    (0.175 in the demo of 2026-12-05) are all in unsolved episodes, half repetition loops cut
-    at max_tokens and half garbled arguments, which positive-advantage updates never push down.
-    Off: from one SFT checkpoint (0.322, format errors 0.206; bench/demo_rl_variant.py,
-    2026-12-05 evening) RL with 0.2 reached 0.342 and format errors 0.157, without it 0.379 and
-    0.183 (paired -0.037, -0.086 to +0.004): it cut the garbled calls by 30% and cost pass@1."""
+    from where the turn broke (TurnRecord.malformed_at: the parser's first bad character, or where
+    a loop cut at max_tokens began repeating) to its end, in the groups with a reward spread
+    (trainer DataConfig.malformed_advantage, which says why not in every group): the format
+    errors left after RL are all in unsolved episodes, loops cut at max_tokens and garbled
+    arguments, which positive-advantage updates never push down. From seed 1's SFT checkpoint
+    (0.320, format errors 0.139; bench/demo_rl_variant.py, 2026-12-05 night, Intel Xeon) RL with
+    0.2 from the break reached 0.375 and format errors 0.096, without it 0.369 and 0.123 (paired
+    +0.006, -0.043 to +0.061). On the whole turn (before malformed_at) 0.2 from seed 0's
+    checkpoint cost pass@1 (0.342 against 0.379, paired -0.037): the broken turn's well-formed
+    start, which it shares with the calls that solve, was pushed down with it. Measured on one
+    seed's checkpoint."""
     rl_skip_zero: bool = True
     """The RL trainer leaves out samples whose advantage is zero (trainer DataConfig.skip_zero):
     with positive-advantage updates, every sample at or below its group's mean, about half of

@@ -69,7 +69,9 @@ class DataConfig(BaseModel):
     demo's SFT checkpoint (0.322) collapsed the policy, held-out pass@1 0.064 after 21 steps
     against 0.379 without, format errors 0.192 against 0.183 (bench/RESULTS.md, 2026-12-05
     evening): with nothing solved to anchor them, the failing groups moved the policy to calls
-    that stop submitting. In the groups that teach, 0.2 gave 0.342 and format errors 0.157."""
+    that stop submitting. In the groups that teach, 0.2 on the whole turn gave 0.342 and format
+    errors 0.157; from the break, from seed 1's checkpoint, 0.375 and 0.096 against 0.369 and
+    0.123 without (2026-12-05 night)."""
 
 
 @dataclass
