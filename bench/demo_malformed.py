@@ -1,7 +1,7 @@
 """Where a finished `swerve demo learn`'s (or demo_rl_variant's) held-out evaluations break their
 tool calls: each malformed turn (no well-formed call) of each evaluation, by finish reason (`length`:
-cut at max_tokens, a repetition loop; `stop`: the call ended garbled), by the parser's error, and for
-the garbled ones by the argument the break falls in and how far into the call it is.
+cut at max_tokens, a repetition loop; `stop`: the call ended garbled), and for the garbled ones by
+the argument the break falls in and by the parser's error.
 
     .venv/bin/python bench/demo_malformed.py var/demo-learn [var/demo-variant/demo-learn ...]
 
@@ -30,17 +30,12 @@ def where(text: str, at: int) -> str:
     return keys[-1][1] if keys else "structure"
 
 
-def malformed_turns(db: Path, run_id: str) -> list[tuple[str, str]]:
+def turns_of(db: Path, run_id: str) -> list[tuple[str | None, str | None, bool]]:
+    """(finish reason, text, whether it made a well-formed call) of each turn of the run."""
     with sqlite3.connect(db) as conn:
         return conn.execute(
-            "SELECT t.finish_reason, t.text FROM turns t JOIN episodes e ON e.id = t.episode_id "
-            "WHERE e.run_id = ? AND (t.tool_call IS NULL OR t.tool_call = 'null')", (run_id.replace("-", ""),)).fetchall()
-
-
-def turn_count(db: Path, run_id: str) -> int:
-    with sqlite3.connect(db) as conn:
-        return conn.execute("SELECT count(*) FROM turns t JOIN episodes e ON e.id = t.episode_id WHERE e.run_id = ?",
-                            (run_id.replace("-", ""),)).fetchone()[0]
+            "SELECT t.finish_reason, t.text, t.tool_call IS NOT NULL AND t.tool_call != 'null' FROM turns t "
+            "JOIN episodes e ON e.id = t.episode_id WHERE e.run_id = ?", (run_id.replace("-", ""),)).fetchall()
 
 
 def report(folder: Path) -> None:
@@ -52,7 +47,8 @@ def report(folder: Path) -> None:
         held = row.get("heldout") or {}
         if not held.get("run_id"):
             continue
-        turns = malformed_turns(folder / "swerve.db", held["run_id"])
+        every = turns_of(folder / "swerve.db", held["run_id"])
+        turns = [(reason, text) for reason, text, called in every if not called]
         reasons = Counter(reason for reason, _ in turns)
         places, errors = Counter(), Counter()
         for reason, text in turns:
@@ -64,7 +60,7 @@ def report(folder: Path) -> None:
             places["no call" if parsed.error_at is None else where(text, parsed.error_at)] += 1
         top = ", ".join(f"{k} {v}" for k, v in places.most_common(5))
         err = ", ".join(f"{k} {v}" for k, v in errors.most_common(3))
-        print(f"| {label} | {turn_count(folder / 'swerve.db', held['run_id'])} | {len(turns)} | "
+        print(f"| {label} | {len(every)} | {len(turns)} | "
               f"{reasons.get('length', 0)} | {reasons.get('stop', 0)} | {top} | {err} |")
 
 
