@@ -60,9 +60,17 @@ class VLLMServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HOME": str(self.cache_dir),
                "VLLM_CACHE_ROOT": str(self.cache_dir / "vllm"), "TMPDIR": str(self.cache_dir / "tmp"),
                "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU: the model runs in the engine's process (the
+        # "uni" executor). With it on, vLLM's CPU platform forces the "mp" executor, a worker
+        # process beside the engine; each waits for the other's next message on shared memory by
+        # spinning (sched_yield) for a second after every read, so under steady load both burn a
+        # core. On 2 cores that is the CPU the RL job's trainer, sandboxes and grading need: during a
+        # demo evaluation the engine and its worker took 45 and 57 s of CPU a minute, the job 6
+        # (bench/vllm_cpu.py measures both executors side by side).
         if self.device == "cpu":
             env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
-                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
         return env
 
     def start(self) -> VLLMServer:
