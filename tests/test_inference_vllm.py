@@ -140,3 +140,17 @@ async def test_failed_reload_takes_the_server_out(vllm_fleet, failure):
                 gen = await fleet.generate(PROMPTS[0], SamplingParams(max_tokens=2), session=f"s{i}")
                 assert (gen.server, gen.policy_version) == (vllm_fleet.url("dense-a"), 3)
             assert await fleet.reload(str(vllm_fleet.models["dense"]), version=0)
+
+
+async def test_a_cpu_server_runs_its_model_in_the_engine_process(vllm_fleet):
+    """No worker process beside the engine: the mp executor's engine and worker spin on shared
+    memory between messages, a core each under load (service.fleet.server.VLLMServer.env)."""
+    import psutil
+
+    server = vllm_fleet.servers["dense-a"]
+    async with client(server.url) as fleet:
+        gen = await fleet.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0), session="engine")
+    assert len(gen.output_ids) == 4
+    names = [p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    assert any("EngineCore" in n for n in names), names
+    assert not any("Worker" in n for n in names), names
