@@ -91,11 +91,13 @@ def measure(kind: str, model: Path, log: Path, requests: int, concurrency: list[
             stop, done = mp.Event(), mp.Value("l", 0)
             rival = mp.Process(target=competitor, args=(stop, done))
             rival.start()
-            cpu0, t0 = server_cpu(proc), time.monotonic()
-            tokens = asyncio.run(serve(server.url, model.name, requests, n))
-            wall, cpu = time.monotonic() - t0, server_cpu(proc) - cpu0
-            stop.set()
-            rival.join()
+            try:
+                cpu0, t0 = server_cpu(proc), time.monotonic()
+                tokens = asyncio.run(serve(server.url, model.name, requests, n))
+                wall, cpu = time.monotonic() - t0, server_cpu(proc) - cpu0
+            finally:
+                stop.set()
+                rival.join()
             rows.append({"kind": kind, "concurrency": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
                          "cpu_s": cpu, "rival_units_s": done.value / wall})
     finally:
@@ -111,6 +113,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or init_tiny(Path(tmp) / "tiny", TinyModelSpec(layers=4, tie_embeddings=True))
@@ -120,7 +123,9 @@ def main() -> None:
         rows = []
         for r in range(args.rounds):
             for kind in (("uni", "mp") if r % 2 == 0 else ("mp", "uni")):
-                for row in measure(kind, model, Path(tmp) / f"{kind}.log", args.requests, args.concurrency):
+                log = (args.logs or Path(tmp)) / f"vllm-{kind}-{r}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                for row in measure(kind, model, log, args.requests, args.concurrency):
                     rows.append(row | {"round": r})
                     print(f"round {r} {kind:3s} at {row['concurrency']:3d}: {row['tok_s']:6.0f} tok/s, "
                           f"{row['cpu_s']:6.1f} CPU-s ({row['cpu_s'] / row['tokens'] * 1e3:.2f} per 1k tokens), "

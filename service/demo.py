@@ -96,7 +96,10 @@ class LearnPlan:
     copying, accuracy on random-token repeats 0.98 before and after)."""
     rl_steps: int = 24
     """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 24 steps of 16
-    groups draw each of the 384 train tasks not demonstrated once. With every sample trained on,
+    groups draw each of the 384 train tasks not demonstrated once. Since vLLM's CPU server runs its
+    model in the engine's process (service.fleet.server), the 24 steps took 14.6 minutes on 2
+    cores (Intel Xeon, 2026-12-05 late), where 23 had taken 27 with the engine and its worker
+    process spinning on their queue. With every sample trained on,
     a step of 128 samples took 105-135 s on 2 cores (AMD EPYC) and about 80 s (Intel Xeon), so
     12 to 16 steps filled the time; rl_skip_zero leaves about half the samples out of the step. Before
     warmup and the lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
@@ -153,7 +156,9 @@ class LearnPlan:
     +0.006, -0.043 to +0.061). On the whole turn (before malformed_at) 0.2 from seed 0's
     checkpoint cost pass@1 (0.342 against 0.379, paired -0.037): the broken turn's well-formed
     start, which it shares with the calls that solve, was pushed down with it. Measured on one
-    seed's checkpoint."""
+    seed's checkpoint. The first full demo at 0.2 (seed 0, 2026-12-05 late) left format errors
+    where SFT had them (0.175 against 0.170): that checkpoint's malformed calls are mostly garbled
+    paths of unsolved tasks, which break past the wrong token and seldom in a group that teaches."""
     rl_skip_zero: bool = True
     """The RL trainer leaves out samples whose advantage is zero (trainer DataConfig.skip_zero):
     with positive-advantage updates, every sample at or below its group's mean, about half of
