@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -50,13 +51,22 @@ def competitor(stop, done) -> None:
             done.value += 1
 
 
-def competitor_alone(seconds: float = 5.0) -> float:
+@contextmanager
+def competing():
+    """A competitor process running for the block; its count of units so far."""
     stop, done = mp.Event(), mp.Value("l", 0)
-    p = mp.Process(target=competitor, args=(stop, done))
-    p.start()
-    time.sleep(seconds)
-    stop.set()
-    p.join()
+    rival = mp.Process(target=competitor, args=(stop, done))
+    rival.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        rival.join()
+
+
+def competitor_alone(seconds: float = 5.0) -> float:
+    with competing() as done:
+        time.sleep(seconds)
     return done.value / seconds
 
 
@@ -80,6 +90,7 @@ async def serve(url: str, model: str, requests: int, concurrency: int) -> int:
 
 
 def measure(kind: str, model: Path, log: Path, requests: int, concurrency: list[int]) -> list[dict]:
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if kind == "uni" else "1"
     server = VLLMServer(model=model, port=free_port(), max_model_len=4096, log_path=log).start()
     rows = []
@@ -88,21 +99,18 @@ def measure(kind: str, model: Path, log: Path, requests: int, concurrency: list[
         asyncio.run(serve(server.url, model.name, 8, 8))  # warm
         proc = psutil.Process(server.proc.pid)
         for n in concurrency:
-            stop, done = mp.Event(), mp.Value("l", 0)
-            rival = mp.Process(target=competitor, args=(stop, done))
-            rival.start()
-            try:
+            with competing() as done:
                 cpu0, t0 = server_cpu(proc), time.monotonic()
                 tokens = asyncio.run(serve(server.url, model.name, requests, n))
                 wall, cpu = time.monotonic() - t0, server_cpu(proc) - cpu0
-            finally:
-                stop.set()
-                rival.join()
             rows.append({"kind": kind, "concurrency": n, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
                          "cpu_s": cpu, "rival_units_s": done.value / wall})
     finally:
         server.stop()
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
     return rows
 
 
