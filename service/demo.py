@@ -53,8 +53,8 @@ ROWS = ("before SFT", "after SFT", "after RL", "SFT continued")
 @dataclass(frozen=True)
 class LearnPlan:
     seed: int = 0
-    n_train: int = 896
-    """512 demonstrated, the other 384 the RL job's: each of its groups sees a new task."""
+    n_train: int = 1152
+    """512 demonstrated, the other 640 the RL job's: each of its groups sees a new task."""
     n_heldout: int = 64
     n_heldout_templates: int = 32
     distractors: int = 1
@@ -94,12 +94,14 @@ class LearnPlan:
     sft_lr: float = 5e-4
     """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
     copying, accuracy on random-token repeats 0.98 before and after)."""
-    rl_steps: int = 24
-    """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 24 steps of 16
-    groups draw each of the 384 train tasks not demonstrated once. Since vLLM's CPU server runs its
-    model in the engine's process (service.fleet.server), the 24 steps took 14.6 minutes on 2
-    cores (Intel Xeon, 2026-12-05 late), where 23 had taken 27 with the engine and its worker
-    process spinning on their queue. With every sample trained on,
+    rl_steps: int = 40
+    """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 40 steps of 16
+    groups draw each of the 640 train tasks not demonstrated once. With vLLM's CPU server running
+    its model in the engine's process (service.fleet.server) and 32 episodes in flight, the 40
+    steps took 20.9 minutes on 2 cores (AMD EPYC, 2026-12-05 night) and moved held-out pass@1 from
+    0.344 to 0.439; 24 steps at 16 in flight had taken 14.6 minutes (Intel Xeon, 2026-12-05 late,
+    +2.5 points), where 23 had taken 27 with the engine and its worker process spinning on their
+    queue. With every sample trained on,
     a step of 128 samples took 105-135 s on 2 cores (AMD EPYC) and about 80 s (Intel Xeon), so
     12 to 16 steps filled the time; rl_skip_zero leaves about half the samples out of the step. Before
     warmup and the lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
@@ -173,7 +175,11 @@ class LearnPlan:
     rl_eval_every: int = 5
     rl_eval_tasks: int = 16
     rl_eval_samples: int = 4
-    concurrency: int = 16
+    concurrency: int = 32
+    """Episodes in flight, in the evaluations and the RL job: at 16 the RL job left about 0.6 of
+    2 cores idle (vLLM's engine 0.79 core, the trainer 0.13, the worker with its sandboxes and
+    grading 0.37); vLLM's CPU server serves 1.4x the tokens a second at 64 as at 16
+    (bench/vllm_cpu.py). At 32 the evaluation of 512 + 128 episodes took 133 s against 145-149."""
     max_model_len: int = 4096
     seq_len: int = 4096
 
