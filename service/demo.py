@@ -98,10 +98,11 @@ class LearnPlan:
     """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 40 steps of 16
     groups draw each of the 640 train tasks not demonstrated once. With vLLM's CPU server running
     its model in the engine's process (service.fleet.server) and 32 episodes in flight, the 40
-    steps took 20.9 minutes on 2 cores (AMD EPYC, 2026-12-05 night) and moved held-out pass@1 from
-    0.344 to 0.439; 24 steps at 16 in flight had taken 14.6 minutes (Intel Xeon, 2026-12-05 late,
-    +2.5 points), where 23 had taken 27 with the engine and its worker process spinning on their
-    queue. With every sample trained on,
+    steps took 21 minutes on 2 cores (AMD EPYC, 2026-12-06) and moved held-out pass@1 from 0.344
+    to 0.439 (seed 0) and from 0.279 to 0.389 (seed 1), the intervals apart both times; 24 steps at
+    16 in flight had taken 14.6 minutes (Intel Xeon, 2026-12-05 late, +2.5 points), where 23 had
+    taken 27 with the engine and its worker process spinning on their queue. With every sample
+    trained on,
     a step of 128 samples took 105-135 s on 2 cores (AMD EPYC) and about 80 s (Intel Xeon), so
     12 to 16 steps filled the time; rl_skip_zero leaves about half the samples out of the step. Before
     warmup and the lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
