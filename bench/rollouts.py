@@ -11,8 +11,9 @@ turn overhead beyond model latency and tool time.
 
 With --profile FOLDER the worker is sampled by py-spy (100 Hz) during the last concurrency: a flame
 graph (worker.svg), the collapsed stacks (worker.txt), and the worker's CPU split into phases
-(each sample goes to the innermost frame that names one: sandbox, grading, database, Celery,
-agent loop with tokenizer and chat template, else other). py-spy samples the thread holding the
+(a sample under envs/swe_env.grade is grading: its sandbox, patch and test run; any other goes to
+the innermost frame that names one: sandbox, database, Celery, agent loop with tokenizer and chat
+template, else other), and the CPU per turn without grading, which the issue's target leaves out. py-spy samples the thread holding the
 GIL (--gil): by default it counts every thread it finds runnable, and a thread blocked in a
 pipe write or waitpid without the GIL drew most samples while using little CPU (2026-12-04).
 
@@ -62,7 +63,9 @@ def tree_cpu(proc: psutil.Process) -> tuple[float, float]:
     return own.user + own.system, own.children_user + own.children_system
 
 
-# innermost frame first: a psycopg call made by the agent loop is database time
+# innermost frame first: a psycopg call made by the agent loop is database time. Grading first of
+# all, by an outer frame: its sandbox, patch and test run are grading, not the episode's sandbox
+GRADING = "grade (envs/swe_env.py"
 PHASES = [("sandbox", ("sandboxes/",)), ("grading", ("grading", "envs/harness", "log_parsers")),
           ("database", ("sqlalchemy/", "psycopg", "service/store/", "asyncpg")),
           ("Celery", ("celery/", "kombu/", "billiard/", "redis/", "amqp/")),
@@ -77,8 +80,11 @@ def phase_split(collapsed: Path) -> dict[str, float]:
         if not stack:
             continue
         frames = stack.split(";")
-        phase = next((name for frame in reversed(frames) for name, marks in PHASES
-                      if any(m in frame for m in marks)), "other")
+        if any(GRADING in frame for frame in frames):
+            phase = "grading"
+        else:
+            phase = next((name for frame in reversed(frames) for name, marks in PHASES
+                          if any(m in frame for m in marks)), "other")
         counts[phase] += float(n)
     total = sum(counts.values()) or 1.0
     return {k: v / total for k, v in counts.items()}
@@ -200,6 +206,8 @@ async def main(args) -> None:
                 print(f"\nworker CPU per episode at {r['concurrency']} in flight: {per_episode:.1f} ms, by phase "
                       "(py-spy samples): " + ", ".join(f"{k} {v * per_episode:.1f} ms ({v:.0%})"
                                                        for k, v in r["phases"].items()))
+                print(f"worker CPU per turn without grading: "
+                      f"{r['worker_cpu_ms_per_turn'] * (1 - r['phases']['grading']):.2f} ms")
         await supervisor.close()
         await engine.dispose()
     finally:

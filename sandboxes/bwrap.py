@@ -145,8 +145,10 @@ class BwrapSandbox(ShellSandbox):
 
     async def _start_shell(self) -> None:
         for sub in ("rw", "merged"):
-            (self.state / sub).mkdir(exist_ok=True)
-        os.makedirs(VIEW, mode=0o755, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(f"{self.state}/{sub}")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(VIEW, 0o755)
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SWERVE_STATE": str(self.state), "SWERVE_VIEW": VIEW,
                "SWERVE_CGROUP_PROCS": " ".join(self.cgroups.procs_files),
                "SWERVE_DISK_MB": str(self.limits.disk_mb), "SWERVE_UID": str(host_uid()),

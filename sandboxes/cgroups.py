@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
@@ -22,11 +23,29 @@ class CgroupError(OSError):
 
 
 def _own_path(controller: str) -> str:
+    """This process's cgroup in `controller`'s hierarchy ("" for v2's unified one)."""
+    return _own_paths(os.getpid()).get(controller, "")
+
+
+@lru_cache(maxsize=4)
+def _own_paths(pid: int) -> dict[str, str]:
+    """/proc/self/cgroup as {controller: path}, read once per process (a fork child reads its own):
+    every sandbox asks for four of them."""
+    paths: dict[str, str] = {}
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(",") or (controller == "" and controllers == ""):
-            return path.lstrip("/")
-    return ""
+        for controller in controllers.split(",") if controllers else [""]:
+            paths.setdefault(controller, path.lstrip("/"))
+    return paths
+
+
+def _write(path: str, value: str) -> None:
+    """A cgroup file's value, in one write (no text layer: a sandbox writes five)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
 
 
 def is_v2() -> bool:
@@ -49,22 +68,20 @@ class Cgroups:
 
     @classmethod
     def _create_v1(cls, name: str, memory_mb: int, pids: int, cpus: float) -> Cgroups:
-        memory = ROOT / "memory" / _own_path("memory") / name
-        pid = ROOT / "pids" / _own_path("pids") / name
-        cpu = ROOT / "cpu" / _own_path("cpu") / name
-        freezer = ROOT / "freezer" / _own_path("freezer") / name
+        memory, pid, cpu, freezer = (os.path.join(ROOT, controller, _own_path(controller), name)
+                                     for controller in ("memory", "pids", "cpu", "freezer"))
         for path in (memory, pid, cpu, freezer):
-            path.mkdir()
+            os.mkdir(path)
         limit = str(memory_mb * 1024 * 1024)
-        (memory / "memory.limit_in_bytes").write_text(limit)
+        _write(f"{memory}/memory.limit_in_bytes", limit)
         try:  # no swap beyond the limit, where the kernel accounts swap
-            (memory / "memory.memsw.limit_in_bytes").write_text(limit)
+            _write(f"{memory}/memory.memsw.limit_in_bytes", limit)
         except OSError:
             pass
-        (pid / "pids.max").write_text(str(pids))
-        (cpu / "cpu.cfs_period_us").write_text("100000")
-        (cpu / "cpu.cfs_quota_us").write_text(str(int(cpus * 100000)))
-        return cls([memory, pid, cpu, freezer])
+        _write(f"{pid}/pids.max", str(pids))
+        _write(f"{cpu}/cpu.cfs_period_us", "100000")
+        _write(f"{cpu}/cpu.cfs_quota_us", str(int(cpus * 100000)))
+        return cls([Path(memory), Path(pid), Path(cpu), Path(freezer)])
 
     @classmethod
     def _create_v2(cls, name: str, memory_mb: int, pids: int, cpus: float) -> Cgroups:

@@ -10,7 +10,11 @@ commands run with the control channel closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 
@@ -199,7 +203,7 @@ class Channel:
 
 
 class _Stdin:
-    """A subprocess's stdin as ShellSession writes it: write and drain."""
+    """A subprocess's stdin as ShellSession writes it (asyncio's pipe transport): write and drain."""
 
     def __init__(self, transport: asyncio.WriteTransport):
         self.transport = transport
@@ -229,7 +233,7 @@ class _Stdin:
 
 
 class _Protocol(asyncio.SubprocessProtocol):
-    def __init__(self, proc: PipeProcess):
+    def __init__(self, proc: TransportProcess):
         self.proc = proc
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
@@ -256,9 +260,11 @@ class _Protocol(asyncio.SubprocessProtocol):
             self.proc.exited.set_result(None)
 
 
-class PipeProcess:
-    """A subprocess whose stdout and stderr feed a Channel: what ShellSession drives (stdin,
-    channel, pid, returncode, wait, kill), as sandboxes/docker_exec.ExecProcess has it too."""
+class TransportProcess:
+    """A subprocess through asyncio's subprocess transport, whose stdout and stderr feed a
+    Channel: what ShellSession drives (stdin, channel, pid, returncode, wait, kill), as
+    PipeProcess and sandboxes/docker_exec.ExecProcess have it too. PipeProcess's fallback where
+    the kernel has no pidfd (before Linux 5.3), and its before in bench/sandbox_cpu.py."""
 
     def __init__(self, limit: int):
         self.channel = Channel(limit)
@@ -268,7 +274,7 @@ class PipeProcess:
 
     @classmethod
     async def spawn(cls, argv: list[str], *, limit: int, env: dict | None = None,
-                    pass_fds: tuple[int, ...] = ()) -> PipeProcess:  # fmt: skip
+                    pass_fds: tuple[int, ...] = ()) -> TransportProcess:  # fmt: skip
         proc = cls(limit)
         PIPE = asyncio.subprocess.PIPE
         transport, _ = await asyncio.get_running_loop().subprocess_exec(
@@ -302,6 +308,195 @@ class PipeProcess:
     def close(self) -> None:
         """Once it has exited: its pipes closed now, not when what else held them lets go."""
         self._transport.close()
+
+
+_READ = 1 << 18  # as asyncio's pipe transport reads
+
+
+class _PipeWriter:
+    """A non-blocking pipe written straight from the event loop: what fits goes at once, the rest
+    when the pipe has room (drain waits for it)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.lost = fd, False
+        self._pending = bytearray()
+        self._drained: asyncio.Future | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.lost:
+            raise BrokenPipeError("the shell's stdin is closed")
+        if not self._pending:
+            try:
+                data = data[os.write(self.fd, data):]
+            except BlockingIOError:
+                pass
+            except OSError:  # EPIPE: the shell is gone
+                self._lose()
+                raise BrokenPipeError("the shell's stdin is closed") from None
+            if not data:
+                return
+            asyncio.get_running_loop().add_writer(self.fd, self._flush)
+        self._pending += data
+
+    def _flush(self) -> None:
+        try:
+            del self._pending[:os.write(self.fd, self._pending)]
+        except BlockingIOError:
+            return
+        except OSError:
+            self._lose()
+            return
+        if not self._pending:
+            asyncio.get_running_loop().remove_writer(self.fd)
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    def _lose(self) -> None:
+        self.lost = True
+        self._pending.clear()
+        asyncio.get_running_loop().remove_writer(self.fd)
+        self._wake()
+
+    async def drain(self) -> None:
+        if self._pending and not self.lost:
+            if self._drained is None:
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)
+        if self.lost:
+            raise ConnectionResetError("the shell's stdin is closed")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self._lose()
+            os.close(self.fd)
+            self.fd = -1
+
+
+class PipeProcess:
+    """A subprocess on three pipes the event loop watches itself, and a pidfd for its exit; its
+    stdout and stderr feed a Channel: what ShellSession drives (stdin, channel, pid, returncode,
+    wait, kill, close), as sandboxes/docker_exec.ExecProcess has it too. Against asyncio's
+    subprocess transport (TransportProcess) it has no thread blocked in waitpid per child (the
+    default child watcher of Python 3.11) and no transport, protocol and pipe-connecting task
+    per stream: bench/sandbox_cpu.py. Where the kernel has no pidfd, `spawn` returns a
+    TransportProcess."""
+
+    def __init__(self, limit: int, popen: subprocess.Popen, stdin: int, out: int, err: int, pidfd: int):
+        loop = asyncio.get_running_loop()
+        self.channel = Channel(limit)
+        self.channel.pause = self._pause_reading
+        self.stdin = _PipeWriter(stdin)
+        self.exited: asyncio.Future = loop.create_future()
+        self._popen, self._pidfd = popen, pidfd
+        self._reading = {1: out, 2: err}  # fd number in the child -> our end, until its EOF
+        for fd, end in self._reading.items():
+            loop.add_reader(end, self._read, fd)
+        loop.add_reader(pidfd, self._reap)
+
+    @classmethod
+    async def spawn(cls, argv: list[str], *, limit: int, env: dict | None = None,
+                    pass_fds: tuple[int, ...] = ()) -> PipeProcess | TransportProcess:  # fmt: skip
+        if not _HAS_PIDFD:
+            return await TransportProcess.spawn(argv, limit=limit, env=env, pass_fds=pass_fds)
+        ours, theirs = [], []  # stdin, stdout, stderr: the child reads the first, writes the others
+        try:
+            for stream in range(3):
+                r, w = os.pipe2(os.O_CLOEXEC)
+                ours.append(w if stream == 0 else r)
+                theirs.append(r if stream == 0 else w)
+            popen = subprocess.Popen(argv, stdin=theirs[0], stdout=theirs[1], stderr=theirs[2], env=env,
+                                     pass_fds=pass_fds)
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except OSError:  # it was reaped already: impossible but for a waitpid(-1) elsewhere
+            popen.kill()
+            popen.wait()
+            for fd in ours:
+                os.close(fd)
+            raise
+        for fd in ours:
+            os.set_blocking(fd, False)
+        return cls(limit, popen, *ours, pidfd)
+
+    def _read(self, fd: int) -> None:
+        end = self._reading[fd]
+        try:
+            data = os.read(end, _READ)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.channel.feed(fd, data)
+            return
+        self._stop_reading(fd)
+        self.channel.feed_eof(fd)
+
+    def _stop_reading(self, fd: int) -> None:
+        end = self._reading.pop(fd, None)
+        if end is not None:
+            asyncio.get_running_loop().remove_reader(end)
+            os.close(end)
+
+    def _pause_reading(self, fd: int, on: bool) -> None:
+        end = self._reading.get(fd)
+        if end is not None:
+            loop = asyncio.get_running_loop()
+            loop.remove_reader(end) if on else loop.add_reader(end, self._read, fd)
+
+    def _reap(self) -> None:
+        if self._popen.poll() is None:
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    async def wait(self) -> int:
+        await asyncio.shield(self.exited)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self._pidfd >= 0:  # not reaped: the pid is still this process's
+            with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Once it has exited: its pipes closed now (what is left unread in them is dropped)."""
+        self.stdin.close()
+        for fd in list(self._reading):
+            self._stop_reading(fd)
+
+
+def _pidfd_works() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return hasattr(signal, "pidfd_send_signal")
+
+
+_HAS_PIDFD = _pidfd_works()
 
 
 class ShellSession:

@@ -258,6 +258,37 @@ def test_the_fast_encoder_gives_the_tokenizers_own_ids(tokenizer, parts):
     assert tokenizer.backend_tokenizer.truncation is None  # the copy's setting stayed the copy's
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_fast_decoder_gives_the_tokenizers_own_text(tokenizer, data):
+    """text_decoder goes straight to the Rust tokenizer (no transformers conversion per call): the
+    same text as tokenizer.decode(ids, skip_special_tokens=False) for any ids, special tokens and
+    tokens that split a character included, or the loop would parse a tool call the model did
+    not write."""
+    from service.fleet.client import text_decoder
+
+    decode = text_decoder(tokenizer)
+    assert decode.__name__ == "fast"  # the tiny model's tokenizer is a fast one: the direct path is taken
+    ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=24))
+    assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_the_fast_decoder_steps_aside_when_the_tokenizer_cleans_up_spaces(tokenizer):
+    """A tokenizer that joins " ." and " 's" after decoding (clean_up_tokenization_spaces):
+    the Rust tokenizer does not, so the decoder falls back to the tokenizer's own decode."""
+    import copy
+
+    from service.fleet.client import text_decoder
+
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True  # transformers 5 ignores it for BPE unless also told:
+    cleaning.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    decode = text_decoder(cleaning)
+    ids = tokenizer.encode("it 's done .", add_special_tokens=False)
+    assert decode.__name__ == "slow" and decode(ids) == cleaning.decode(ids, skip_special_tokens=False)
+    assert decode(ids) != tokenizer.decode(ids, skip_special_tokens=False)  # the clean-up did change it
+
+
 def test_the_fast_encoder_steps_aside_when_the_rust_tokenizer_truncates(tokenizer):
     """A tokenizer.json with truncation set: transformers' encode turns it off per call, so the
     direct path would cut long texts; the encoder falls back to the tokenizer's own encode."""

@@ -21,7 +21,7 @@ from sandboxes.base import SandboxError
 from service.store.buffer import StorageError
 from service.store.records import TurnRecord
 from service.store.status import EpisodeStatus
-from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams, text_encoder
+from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams, text_decoder, text_encoder
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 _TOOL_MARK = "\x00TOOL\x00"
@@ -104,11 +104,12 @@ class TokenRenderer:
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         self.tok, self.tools = tokenizer, tools
         self.encode = text_encoder(tokenizer)
+        self.decode = text_decoder(tokenizer)
         self._prompt = lru_cache(maxsize=self.PROMPTS)(lambda text: array("i", self.encode(text)))
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         if self.eos_id is None or self.eos_id == tokenizer.unk_token_id:
             self.eos_id = tokenizer.eos_token_id
-        self.eos_text = tokenizer.decode([self.eos_id])
+        self.eos_text = self.decode([self.eos_id])
         marked = self._text([*_DUMMY[:1], {"role": "assistant", "content": "\x00MARK\x00"}])
         self.after_assistant = marked[marked.index("\x00MARK\x00") + len("\x00MARK\x00"):]
         self._dummy_text = self._text(_DUMMY)
@@ -118,9 +119,6 @@ class TokenRenderer:
     def _text(self, messages: list[dict], generation: bool = False, tools: list[dict] | None = None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                             add_generation_prompt=generation)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
 
     def _probe(self) -> bool:
         """Does rendering more messages only append? (False for templates that rewrite history.)"""
