@@ -89,3 +89,75 @@ async def test_wait_wakes_on_either_stream_or_returns_false_at_its_deadline():
     loop.call_later(0.01, channel.feed_eof, 1)
     assert await channel.wait() is True and channel.out_eof
 
+
+
+# The session end to end on a plain supervisor (no sandbox around it), over both ways of running
+# the process: pipes and a pidfd on the event loop (PipeProcess), and asyncio's subprocess
+# transport (TransportProcess, the fallback where the kernel has no pidfd).
+
+import os  # noqa: E402
+import signal  # noqa: E402
+
+import pytest  # noqa: E402
+
+from sandboxes import shell  # noqa: E402
+
+
+@pytest.fixture(params=["pidfd", "transport"])
+def kind(request, monkeypatch):
+    if request.param == "pidfd" and not shell._HAS_PIDFD:
+        pytest.fail("this kernel has no pidfd_open: PipeProcess cannot be tested here")
+    monkeypatch.setattr(shell, "_HAS_PIDFD", request.param == "pidfd")
+    return request.param
+
+
+async def _session(limit: int = 4096) -> shell.ShellSession:
+    return await shell.ShellSession.start(["bash", "--noprofile", "--norc", "-c", shell.SUPERVISOR],
+                                          output_limit=limit)
+
+
+async def _no_kill(include_shell: bool) -> None:
+    raise AssertionError("no command here times out")
+
+
+async def test_a_session_runs_commands_keeps_state_and_cuts_long_output(kind):
+    fds = set(os.listdir("/proc/self/fd"))
+    session = await _session()
+    want = shell.PipeProcess if kind == "pidfd" else shell.TransportProcess
+    assert type(session.proc) is want
+    try:
+        r = await session.run("cd /tmp && X=41; echo $((X + 1)); false", 10, _no_kill)
+        assert (r.output, r.exit_code, r.timed_out) == ("42\n", 1, False)
+        r = await session.run("pwd; echo $X", 10, _no_kill)
+        assert r.output == "/tmp\n41\n"
+        # 3 MB of output: past twice the channel's limit the pipe pauses, the capture keeps the ends
+        r = await session.run("head -c 3000000 /dev/zero | tr '\\0' a; echo; echo end", 30, _no_kill)
+        assert r.exit_code == 0 and r.output_bytes == 3000005
+        assert r.output.startswith("a" * 2048) and r.output.endswith("a\nend\n") and "bytes cut" in r.output
+        # a command larger than the pipe's buffer: written in parts as the shell reads
+        big = "echo " + "b" * 300_000
+        r = await session.run(big, 30, _no_kill)
+        assert r.exit_code == 0 and r.output_bytes == 300_001
+    finally:
+        await session.kill()
+    assert session.proc.returncode == -signal.SIGKILL and not session.alive
+    await asyncio.sleep(0)  # asyncio's transport closes its pipes on the next turn of the loop
+    assert set(os.listdir("/proc/self/fd")) <= fds  # its pipes (and pidfd) are closed
+
+
+async def test_a_shell_that_exits_is_replaced_and_a_dead_session_is_told(kind):
+    session = await _session()
+    try:
+        with pytest.raises(shell.ShellDied) as died:
+            await session.run("echo bye; exit 3", 10, _no_kill)
+        assert died.value.returncode == 3 and "bye" in died.value.output
+        r = await session.run("echo again", 10, _no_kill)
+        assert (r.output, r.exit_code) == ("again\n", 0)
+        os.kill(session.proc.pid, signal.SIGKILL)  # the supervisor first: no shell comes back
+        os.kill(session.shell_pid, signal.SIGKILL)  # then the shell holding the pipes
+        with pytest.raises(shell.SessionDead) as dead:
+            await session.run("echo never", 10, _no_kill)
+        assert dead.value.returncode == -signal.SIGKILL
+    finally:
+        await session.kill()
+    assert await session.proc.wait() == -signal.SIGKILL
