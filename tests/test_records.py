@@ -23,6 +23,24 @@ def test_token_ids_round_trip(ids, codec):
     assert out.dtype == np.dtype("<i4") and out.tolist() == ids
 
 
+@given(st.sampled_from([("i", -(2**31), 2**31 - 1), ("H", 0, 2**16 - 1), ("B", 0, 255)]).flatmap(
+    lambda t: st.tuples(st.just(t[0]), st.lists(st.integers(t[1], t[2]), max_size=300))), st.sampled_from(["raw", "zlib"]))
+def test_a_list_of_ints_is_written_as_numpy_writes_it(case, codec):
+    """encode_array's path for lists (array.array, no numpy) gives the very bytes of its numpy
+    path: readers of either see one format."""
+    dtype, values = case
+    assert encode_array(values, dtype, codec=codec) == encode_array(np.asarray(values), dtype, codec=codec)
+
+
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=300), st.sampled_from(["raw", "zlib"]))
+def test_a_list_of_floats_is_written_as_numpy_writes_it(values, codec):
+    """Doubles (as a sampler returns logprobs) rounded to float32 by array.array as numpy
+    rounds them, infinities and NaN included: the same bytes."""
+    with np.errstate(over="ignore"):  # numpy warns where a double overflows float32; both give inf
+        want = encode_array(np.asarray(values, dtype=np.float64), "f", codec=codec)
+    assert encode_array(values, "f", codec=codec) == want
+
+
 @given(st.lists(st.floats(width=32, allow_nan=False), max_size=300))
 def test_logprobs_round_trip_bit_exact(logprobs):
     out = decode_array(encode_logprobs(logprobs))
@@ -58,3 +76,5 @@ def test_foreign_or_damaged_blobs_are_refused(blob):
 def test_out_of_range_values_are_refused():
     with pytest.raises(ValueError, match="out of range"):
         encode_array([2**31], "i")
+    with pytest.raises(ValueError, match="out of range"):
+        encode_array([0, -1], "B")
