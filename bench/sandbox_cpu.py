@@ -3,15 +3,16 @@ command, close) one after another on an event loop in a thread, as the worker's 
 (service/worker/runtime.py), timed by this process's rusage (every thread here, not the
 sandbox's processes). Side by side in one run, alternating, on the same sandboxes:
 
-- asyncio's loop with Python 3.11's default child watcher (a thread per child, blocked in
-  waitpid): what the worker runs;
-- asyncio's loop waiting for children through a pidfd on the loop (PidfdChildWatcher, the
-  default from Python 3.12);
-- uvloop (libuv's process handling).
+- the sandbox's shell on pipes the event loop reads itself, its exit seen through a pidfd on the
+  loop (sandboxes/shell.PipeProcess): what the worker runs;
+- the shell through asyncio's subprocess transport with Python 3.11's default child watcher (a
+  thread per child, blocked in waitpid): sandboxes/shell.TransportProcess, PipeProcess's fallback
+  where the kernel has no pidfd, and what the worker ran before 2026-12-06.
 
-And per command (`echo hi`) on one sandbox, for the two loops. An episode of bench/rollouts.py
-holds two sandboxes (the agent's and the grading one), so twice the lifecycle figure is what
-sandboxes cost an episode before its commands.
+And per command (`echo hi`) on one sandbox, for both. An episode of bench/rollouts.py holds two
+sandboxes (the agent's and the grading one), so twice the lifecycle figure is what sandboxes cost
+an episode before its commands. (uvloop and asyncio's own pidfd child watcher were measured on
+2026-12-05, bench/RESULTS.md: neither was taken.)
 
     .venv/bin/python bench/sandbox_cpu.py [--lifecycles 100] [--rounds 3] [--commands 2000]
 """
@@ -31,8 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sandboxes import shell  # noqa: E402
 from sandboxes.base import open_sandbox  # noqa: E402
 from sandboxes.config import BwrapSandboxConfig  # noqa: E402
+
+PIDFD = shell._HAS_PIDFD
 
 
 def rusage_ms() -> tuple[float, float]:
@@ -68,32 +72,28 @@ async def commands(config, n: int) -> tuple[float, float]:
     return (u1 - u0) / n * 1e3, (s1 - s0) / n * 1e3
 
 
+KINDS = {"pipes and a pidfd (PipeProcess)": True, "asyncio transport (TransportProcess)": False}
+
+
 def on_loop(kind: str, make):
-    """Run make() on a new loop of `kind` in a thread of its own; its result."""
+    """Run make() on a new asyncio loop in a thread of its own, the sandboxes' shells run as
+    `kind` says; its result."""
     out: list = []
 
     def main() -> None:
-        if kind == "uvloop":
-            import uvloop
-
-            loop = uvloop.new_event_loop()
-        else:
-            loop = asyncio.new_event_loop()
+        loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                if kind == "asyncio, pidfd":
-                    watcher = asyncio.PidfdChildWatcher()
-                elif kind == "asyncio, thread per child":
+            if not KINDS[kind]:
+                with warnings.catch_warnings():  # Python 3.11's default watcher, attached to this loop
+                    warnings.simplefilter("ignore", DeprecationWarning)
                     watcher = asyncio.ThreadedChildWatcher()
-                else:
-                    watcher = None
-                if watcher is not None:  # Python 3.11: one watcher for the process, attached to this loop
                     asyncio.set_child_watcher(watcher)
                     watcher.attach_loop(loop)
+            shell._HAS_PIDFD = KINDS[kind] and PIDFD
             out.append(loop.run_until_complete(make()))
         finally:  # the sandboxes' reaper task ends with its loop
+            shell._HAS_PIDFD = PIDFD
             pending = asyncio.all_tasks(loop)
             for task in pending:
                 task.cancel()
@@ -117,14 +117,16 @@ def main() -> None:
     repo.mkdir()
     (repo / "a.py").write_text("x = 1\n")
     config = BwrapSandboxConfig(root=repo)
-    kinds = ["asyncio, thread per child", "asyncio, pidfd", "uvloop"]
+    if not PIDFD:
+        raise SystemExit("this kernel has no pidfd_open: PipeProcess falls back to TransportProcess here")
+    kinds = list(KINDS)
     for kind in kinds:  # warm: the page cache, the imports
         on_loop(kind, lambda: lifecycles(config, 5))
     per_life = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
             per_life[kind].append(on_loop(kind, lambda: lifecycles(config, args.lifecycles)))
-    per_command = {k: [] for k in kinds if k != "asyncio, pidfd"}
+    per_command = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for kind in per_command:
             per_command[kind].append(on_loop(kind, lambda: commands(config, args.commands)))
@@ -138,7 +140,7 @@ def main() -> None:
 def table(by_kind: dict[str, list[tuple[float, float]]], unit: str, digits: int) -> None:
     """A row per loop: medians of user, system and their sum over the rounds (the kernel splits a
     process's time between user and system by ticks, so the split is noisier than the sum)."""
-    print(f"| loop | user {unit} | system {unit} | all {unit} | rounds (user+system) |")
+    print(f"| shell process | user {unit} | system {unit} | all {unit} | rounds (user+system) |")
     print("|---|---|---|---|---|")
     for kind, values in by_kind.items():
         med = [statistics.median(x) for x in ([u for u, _ in values], [s for _, s in values],
