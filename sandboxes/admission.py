@@ -165,11 +165,15 @@ def _forget() -> None:
 os.register_at_fork(after_in_child=_forget)
 
 
-def _next_start(folder: Path, rate: float) -> float:
-    """Reserve the next start instant (time.time()); every process shares the schedule."""
+def _next_start(folder: Path, rate: float, block: bool = True) -> float | None:
+    """Reserve the next start instant (time.time()); every process shares the schedule. None
+    when not `block` and another process holds the schedule's lock this instant."""
     fd = os.open(folder / "starts", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
         raw = os.pread(fd, 64, 0).decode(errors="replace").strip()
         try:
             earliest = float(raw)
@@ -213,8 +217,11 @@ async def admitted(what: str = "sandbox", pace: bool = True) -> AsyncIterator[No
     slot, fd = got
     _local.took(folder, slot)
     try:
-        if pace:
-            start_at = await asyncio.to_thread(_next_start, folder, rate)
+        if pace:  # on the loop while no other process holds the schedule (it holds it a few
+            # microseconds), on a thread when one does: the hop cost the worker more than the reservation
+            start_at = _next_start(folder, rate, block=False)
+            if start_at is None:
+                start_at = await asyncio.to_thread(_next_start, folder, rate)
             if (wait := start_at - time.time()) > 0:
                 await asyncio.sleep(wait)
         yield

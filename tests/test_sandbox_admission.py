@@ -80,6 +80,28 @@ def test_starts_are_paced_across_processes(tmp_path):
     assert last_entered - first_asked >= (n - 1) / rate  # each start reserves its own instant, 1/rate apart
 
 
+def test_a_start_is_reserved_on_the_loop_unless_another_holds_the_schedule(tmp_path):
+    """The reservation without blocking (what `admitted` tries on the event loop) steps aside while
+    another process holds the schedule's lock (a lock on another open of the file, as another
+    process's is); the next instant is still the blocking reservation's, 1/rate after the last."""
+    import fcntl
+    import threading
+
+    first = admission._next_start(tmp_path, 1.0, block=False)
+    assert first is not None and abs(first - time.time()) < 1
+    other = os.open(tmp_path / "starts", os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        assert admission._next_start(tmp_path, 1.0, block=False) is None
+        threading.Timer(0.2, fcntl.flock, (other, fcntl.LOCK_UN)).start()
+        asked = time.monotonic()
+        second = admission._next_start(tmp_path, 1.0)  # waits for the lock
+        assert time.monotonic() - asked >= 0.15
+    finally:
+        os.close(other)
+    assert second == pytest.approx(first + 1.0, abs=1e-5)  # the instant after the first: none was lost
+
+
 def test_a_killed_process_gives_its_slot_back(tmp_path, monkeypatch):
     env = os.environ | {"SWERVE_SANDBOX_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "SWERVE_SANDBOX_MAX_LIVE": "1"}
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, "1", "600", "0"], env=env)
