@@ -317,8 +317,8 @@ class _PipeWriter:
     """A non-blocking pipe written straight from the event loop: what fits goes at once, the rest
     when the pipe has room (drain waits for it)."""
 
-    def __init__(self, fd: int):
-        self.fd, self.lost = fd, False
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop):
+        self.fd, self.lost, self._loop = fd, False, loop
         self._pending = bytearray()
         self._drained: asyncio.Future | None = None
 
@@ -335,7 +335,7 @@ class _PipeWriter:
                 raise BrokenPipeError("the shell's stdin is closed") from None
             if not data:
                 return
-            asyncio.get_running_loop().add_writer(self.fd, self._flush)
+            self._loop.add_writer(self.fd, self._flush)
         self._pending += data
 
     def _flush(self) -> None:
@@ -347,7 +347,7 @@ class _PipeWriter:
             self._lose()
             return
         if not self._pending:
-            asyncio.get_running_loop().remove_writer(self.fd)
+            self._loop.remove_writer(self.fd)
             self._wake()
 
     def _wake(self) -> None:
@@ -358,13 +358,13 @@ class _PipeWriter:
     def _lose(self) -> None:
         self.lost = True
         self._pending.clear()
-        asyncio.get_running_loop().remove_writer(self.fd)
+        self._loop.remove_writer(self.fd)
         self._wake()
 
     async def drain(self) -> None:
         if self._pending and not self.lost:
             if self._drained is None:
-                self._drained = asyncio.get_running_loop().create_future()
+                self._drained = self._loop.create_future()
             await asyncio.shield(self._drained)
         if self.lost:
             raise ConnectionResetError("the shell's stdin is closed")
@@ -386,10 +386,10 @@ class PipeProcess:
     TransportProcess."""
 
     def __init__(self, limit: int, popen: subprocess.Popen, stdin: int, out: int, err: int, pidfd: int):
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self.channel = Channel(limit)
         self.channel.pause = self._pause_reading
-        self.stdin = _PipeWriter(stdin)
+        self.stdin = _PipeWriter(stdin, loop)
         self.exited: asyncio.Future = loop.create_future()
         self._popen, self._pidfd = popen, pidfd
         self._reading = {1: out, 2: err}  # fd number in the child -> our end, until its EOF
@@ -446,19 +446,18 @@ class PipeProcess:
     def _stop_reading(self, fd: int) -> None:
         end = self._reading.pop(fd, None)
         if end is not None:
-            asyncio.get_running_loop().remove_reader(end)
+            self._loop.remove_reader(end)
             os.close(end)
 
     def _pause_reading(self, fd: int, on: bool) -> None:
         end = self._reading.get(fd)
         if end is not None:
-            loop = asyncio.get_running_loop()
-            loop.remove_reader(end) if on else loop.add_reader(end, self._read, fd)
+            self._loop.remove_reader(end) if on else self._loop.add_reader(end, self._read, fd)
 
     def _reap(self) -> None:
         if self._popen.poll() is None:
             return
-        asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
         self._pidfd = -1
         if not self.exited.done():
