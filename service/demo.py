@@ -365,9 +365,12 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
             write_results(results, out, command(plan))
 
     def stage(name: str, started: float, **detail) -> None:
+        """A stage done, written down at once: a demo cut short after it resumes past it (an RL
+        stage written only with the next evaluation was run again on resume, 2026-12-06)."""
         stages[:] = [st for st in stages if st.name != name]
         stages.append(Stage(name, time.monotonic() - started, detail))
         console.print(f"[bold]{name}[/bold]: {stages[-1].wall_s:.0f} s {detail or ''}")
+        save()
 
     # 1. the task family
     t = time.monotonic()

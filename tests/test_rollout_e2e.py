@@ -120,7 +120,8 @@ async def test_cancel_stops_running_episodes_and_their_sandboxes(worker, tmp_pat
     db_url, data_dir = worker
     tokenizer = init_tiny(tmp_path / "tiny")
     body = "\n".join(SUITE.read_text().splitlines()[:2]) + "\n"
-    calls = [{"name": "bash", "arguments": {"command": "sleep 31.$((2+3))"}}] * 3
+    calls = [{"name": "bash", "arguments": {"command": "echo a first turn"}},
+             *[{"name": "bash", "arguments": {"command": "sleep 31.$((2+3))"}}] * 3]
     async with client_for(make_settings(db_url, broker_url=BROKER, data_dir=data_dir)) as client:
         suite = (await client.post("/api/v1/suites", params={"name": "ex"}, content=body,
                                    headers={"Content-Type": "application/x-ndjson", **auth()})).json()
@@ -143,6 +144,18 @@ async def test_cancel_stops_running_episodes_and_their_sandboxes(worker, tmp_pat
         assert asyncio.get_running_loop().time() - cancelled_at < 15
         assert state["episodes"] == {"cancelled": 4}
         assert host_processes_with("sleep 31.5") == []
+        # an episode cancelled after its first turn keeps that turn and its attempt: it is not
+        # taken for one whose turns were lost and started over
+        engine = db.make_async_engine(db_url)
+        try:
+            async with engine.connect() as conn:
+                episodes = (await conn.execute(sa.text(
+                    "SELECT e.attempt, (SELECT count(*) FROM turns t WHERE t.episode_id = e.id) FROM episodes e "
+                    "WHERE e.run_id = :run"), {"run": uuid.UUID(run_id)})).all()
+        finally:
+            await engine.dispose()
+        assert sum(1 for _, turns in episodes if turns == 1) >= 2  # the ones that were in their sleep
+        assert all(attempt == 0 for attempt, _ in episodes), episodes  # the first attempt is 0
         assert (await client.post(f"/api/v1/runs/{run_id}/cancel", headers=auth())).status_code == 409
 
 

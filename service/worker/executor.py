@@ -157,8 +157,11 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
         return None
     counts = {"n_turns": result.n_turns, "input_tokens": result.input_tokens, "output_tokens": result.output_tokens,
               "policy_version_min": result.policy_version_min, "policy_version_max": result.policy_version_max}
-    if result.status == "worker_error":
-        del counts["n_turns"]  # the loop never returned its count: the turns it stored stay as they are
+    if result.status in ("worker_error", "cancelled"):
+        # the loop never returned its count (it failed, or its run was cancelled under it): the
+        # turns it stored stay as they are. A count of 0 here read as turns lost and started a
+        # cancelled episode over as a new attempt (the RL job's end, 2026-12-06)
+        del counts["n_turns"]
     try:
         await db_retry(lambda: buffer.finish_episode(
             episode_id, attempt=attempt, status=result.status, segment_starts=result.segment_starts, diff=result.diff,
