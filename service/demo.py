@@ -99,7 +99,9 @@ class LearnPlan:
     groups draw each of the 640 train tasks not demonstrated once. With vLLM's CPU server running
     its model in the engine's process (service.fleet.server) and 32 episodes in flight, the 40
     steps took 21 minutes on 2 cores (AMD EPYC, 2026-12-06) and moved held-out pass@1 from 0.344
-    to 0.439 (seed 0) and from 0.279 to 0.389 (seed 1), the intervals apart both times; 24 steps at
+    to 0.439 (seed 0) and from 0.279 to 0.389 (seed 1), the intervals apart both times; on an Intel
+    Xeon the same 40 steps of seed 0 took 27 minutes and moved it from 0.344 to 0.355 only (paired
+    -0.035 to +0.061; the job's own evaluations peaked at v30 and fell by v40, 2026-12-06); 24 steps at
     16 in flight had taken 14.6 minutes (Intel Xeon, 2026-12-05 late, +2.5 points), where 23 had
     taken 27 with the engine and its worker process spinning on their queue. With every sample
     trained on,
