@@ -360,10 +360,11 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         console.print(f"resuming the demo in {root}: done {', '.join(st.name for st in stages)}")
     done = {st.name for st in stages}
 
-    def save() -> None:
+    def save(section: bool = True) -> None:
+        """results.json, and with `section` the RESULTS.md section (from the first evaluation on)."""
         out.update(stages=[asdict(s) for s in stages], wall_s=time.monotonic() - began)
         (root / "results.json").write_text(json.dumps(out, indent=2, default=str))
-        if results is not None:
+        if section and results is not None:
             write_results(results, out, command(plan))
 
     def stage(name: str, started: float, **detail) -> None:
@@ -372,7 +373,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         stages[:] = [st for st in stages if st.name != name]
         stages.append(Stage(name, time.monotonic() - started, detail))
         console.print(f"[bold]{name}[/bold]: {stages[-1].wall_s:.0f} s {detail or ''}")
-        save()
+        save(section=False)
 
     # 1. the task family
     t = time.monotonic()
