@@ -66,8 +66,9 @@ class EpisodeRuntime:
         """Cancel the episodes, close the fleet clients and the engine, within timeout_s; then stop
         the loop whatever is left. Longer than SQLite's busy timeout (30 s, service/store/db.py): a
         statement that waits for the database's lock when the close begins ends, and its rollback
-        runs, before the loop stops. Stopped under it, a write that got the lock late held it for
-        good: the RL job's end left its process's next INSERT "database is locked" (2026-12-06)."""
+        runs, before the loop stops. Stopped under it, a write that gets the lock late holds it for
+        good: the likely cause of the "database is locked" that failed the next INSERT of a process
+        after its RL job's end (2026-12-06)."""
 
         async def shutdown() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
