@@ -31,43 +31,37 @@ class ArrayFormatError(ValueError):
     """A blob is not an array this module wrote."""
 
 
-_LIST_CODES = {"i": "i", "f": "f", "B": "B", "H": "H"} if sys.byteorder == "little" else {}
-"""array.array's typecodes of the same size and byte order as DTYPES' (checked at import)."""
-_LIST_CODES = {k: v for k, v in _LIST_CODES.items() if array(v).itemsize == DTYPES[k].itemsize}
+_LIST_DTYPES = frozenset(k for k in DTYPES if sys.byteorder == "little" and array(k).itemsize == DTYPES[k].itemsize)
+"""The dtypes whose array.array typecode (the same letter) has their size and byte order."""
 
 
 def encode_array(values, dtype: str, *, codec: Codec = "zlib", level: int = 1) -> bytes:
     """Encode a sequence or ndarray; dtype is one of "i" int32, "f" float32, "B" uint8, "H" uint16.
     A list goes through array.array: a turn's ids or logprobs in one pass, where numpy's asarray,
     range check and cast cost about as much as the compression (2026-12-06); the same bytes."""
-    if type(values) is list and dtype in _LIST_CODES:
+    payload = None
+    if type(values) is list and dtype in _LIST_DTYPES:
         try:
-            payload = array(_LIST_CODES[dtype], values).tobytes()
+            payload, shape = array(dtype, values).tobytes(), (len(values),)
         except (TypeError, OverflowError):  # not all numbers of the kind, or out of range: numpy's path
             pass
-        else:
-            code = ZLIB if codec == "zlib" else RAW
-            if code == ZLIB:
-                payload = zlib.compress(payload, level)
-            return _LIST_HEADERS[dtype][code] + _SHAPES[1].pack(len(values)) + payload
-    dt = DTYPES[dtype]
-    arr = np.asarray(values)
-    if arr.dtype != dt:
-        if dt.kind in "iu" and arr.size and (arr.min() < np.iinfo(dt).min or arr.max() > np.iinfo(dt).max):
-            raise ValueError(f"values out of range for {dt}")
-        arr = arr.astype(dt)
-    payload = np.ascontiguousarray(arr).tobytes()
+    if payload is None:
+        dt = DTYPES[dtype]
+        arr = np.asarray(values)
+        if arr.dtype != dt:
+            if dt.kind in "iu" and arr.size and (arr.min() < np.iinfo(dt).min or arr.max() > np.iinfo(dt).max):
+                raise ValueError(f"values out of range for {dt}")
+            arr = arr.astype(dt)
+        payload, shape = np.ascontiguousarray(arr).tobytes(), arr.shape
     code = ZLIB if codec == "zlib" else RAW
     if code == ZLIB:
         payload = zlib.compress(payload, level)
-    header = MAGIC + struct.pack("<BBBB", ord(dtype), code, arr.ndim, 0)
-    return header + struct.pack(f"<{arr.ndim}I", *arr.shape) + payload
+    header = MAGIC + struct.pack("<BBBB", ord(dtype), code, len(shape), 0)
+    return header + struct.pack(f"<{len(shape)}I", *shape) + payload
 
 
 _HEADER = struct.Struct("<4sBBBB")
 _SHAPES = [struct.Struct(f"<{n}I") for n in range(256)]  # ndim is one byte
-_LIST_HEADERS = {dtype: {code: MAGIC + struct.pack("<BBBB", ord(dtype), code, 1, 0) for code in (RAW, ZLIB)}
-                 for dtype in DTYPES}
 
 
 def decode_array(blob: bytes) -> np.ndarray:
