@@ -48,6 +48,9 @@ from service.fleet.tiny_model import TinyModelSpec
 
 FAMILY = "pyfix"
 ROWS = ("before SFT", "after SFT", "after RL", "SFT continued")
+LAST_ROWS = {"after RL": "RL, last version", "SFT continued": "SFT continued, last version"}
+"""The trained rows' runs at their last version, evaluated on the held-out split when the row is
+another version (LearnPlan.select)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,19 @@ class LearnPlan:
     """512 demonstrated, the other 640 the RL job's: each of its groups sees a new task."""
     n_heldout: int = 64
     n_heldout_templates: int = 32
+    n_validation: int = 32
+    """Held-out-name tasks drawn after the n_heldout of the table by the same generator (so apart
+    from them, and those 64 the same as before this split existed): the RL job evaluates on them
+    every rl_eval_every steps, and the trained rows are the versions they chose (select). 0: the
+    RL job evaluates on the first rl_eval_tasks held-out tasks and the rows are the last versions."""
+    select: bool = True
+    """The "after RL" and "SFT continued" rows are each run's version with the best validation
+    pass@1 (ties: the later), among the RL job's evaluated versions (v0, the SFT checkpoint, among
+    them) and as many of SFT continued's (its start among them): early stopping on a split the
+    table never sees. Each run's last version is evaluated on the held-out split too, as its own
+    row. Why: the RL job's own evaluations peaked before its end on two of three 40-step runs
+    (seed 0: v25 of 40 on an AMD EPYC, v30 of 40 on an Intel Xeon, whose last version kept only
+    1.2 of the points, bench/RESULTS.md 2026-12-06)."""
     distractors: int = 1
     train_names: str = "words"
     """"words": train names from a list of 3000 dictionary words (envs.families.LISTED), real
@@ -177,7 +193,9 @@ class LearnPlan:
     spread train nothing), so the job ends on time whatever the SFT policy solves."""
     rl_eval_every: int = 5
     rl_eval_tasks: int = 16
+    """Without a validation split (n_validation 0): the held-out tasks the RL job evaluates on."""
     rl_eval_samples: int = 4
+    """Samples per task in the RL job's evaluations and in SFT continued's on the validation split."""
     concurrency: int = 32
     """Episodes in flight, in the evaluations and the RL job: at 16 the RL job left about 0.6 of
     2 cores idle (vLLM's engine 0.79 core, the trainer 0.13, the worker with its sandboxes and
@@ -189,7 +207,7 @@ class LearnPlan:
     @classmethod
     def quick(cls, seed: int = 0) -> LearnPlan:
         """Every stage, a few steps on a few tasks: the pipeline, not the learning (CI)."""
-        return cls(seed=seed, n_train=4, n_heldout=2, n_heldout_templates=2, demos=2,
+        return cls(seed=seed, n_train=4, n_heldout=2, n_heldout_templates=2, n_validation=2, demos=2,
                    model=TinyModelSpec(tie_embeddings=True, qk_norm_init=0.3),
                    pretrain=PretrainSpec(copy_steps=2, mixed_steps=2, copy_rows=2, doc_rows=1, doc_len=256,
                                          mixed_copy_rows=1, warmup=1),
@@ -303,14 +321,17 @@ def _last_version(run_dir: Path) -> int:
 
 
 def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], heldout: Path, heldout_ids: list[str],
-              model: Path, endpoint: str, port: int) -> dict:  # fmt: skip
+              model: Path, endpoint: str, port: int, validation: Path | None = None,
+              validation_ids: list[str] | None = None) -> dict:  # fmt: skip
     """The RL stage's `swerve rl` config: the shipped, tuned settings for this family. It trains
-    on the train tasks no demonstration showed (all of them when every one was shown)."""
+    on the train tasks no demonstration showed (all of them when every one was shown) and
+    evaluates on the validation split when there is one, else on the first held-out tasks."""
     fresh = train_ids[plan.demos:] or train_ids
+    suite, ids = (validation, validation_ids) if validation is not None else (heldout, heldout_ids[:plan.rl_eval_tasks])
     return {
         "job": {"name": name, "steps": plan.rl_steps, "seed": plan.seed, "time_limit_s": plan.rl_time_limit_s},
         "suite": {"path": str(train), "groups_per_step": plan.rl_groups_per_step, "instance_ids": fresh},
-        "eval": {"enabled": True, "path": str(heldout), "instance_ids": heldout_ids[:plan.rl_eval_tasks],
+        "eval": {"enabled": True, "path": str(suite), "instance_ids": ids,
                  "every": min(plan.rl_eval_every, plan.rl_steps), "samples_per_task": plan.rl_eval_samples,
                  "sampling": {"temperature": plan.eval_temperature, "max_tokens": plan.max_tokens}},
         "filter": {"skip_solved": True, "min_groups": 1, "retry_prob": 0.1},
@@ -350,15 +371,19 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         db.upgrade(s.resolved_database_url)
     stages: list[Stage] = []
     began = time.monotonic()
-    out = {"plan": asdict(plan), "parameters": None, "pretrain": None, "evals": {}, "stages": [], "wall_s": 0.0,
-           "rl_run_id": None, "rl_job": None, "screenshot": None, "machine": machine(), "complete": False}
+    out = {"plan": asdict(plan), "parameters": None, "pretrain": None, "evals": {}, "chosen": {}, "stages": [],
+           "wall_s": 0.0, "rl_run_id": None, "rl_job": None, "screenshot": None, "machine": machine(),
+           "complete": False}
     before = _resumable(root / "results.json", plan)
     if before is not None:
-        out |= {k: before[k] for k in ("evals", "rl_run_id", "rl_job") if before.get(k) is not None}
+        out |= {k: before[k] for k in ("evals", "chosen", "rl_run_id", "rl_job") if before.get(k) is not None}
         stages[:] = [Stage(**st) for st in before["stages"]]
         began -= before["wall_s"]
         console.print(f"resuming the demo in {root}: done {', '.join(st.name for st in stages)}")
     done = {st.name for st in stages}
+    chosen: dict[str, dict] = out["chosen"]
+    """Per trained row: its run's version the validation split chose, the last, the scores."""
+    selecting = plan.select and plan.n_validation > 0
 
     def save(section: bool = True) -> None:
         """results.json, and with `section` the RESULTS.md section (from the first evaluation on)."""
@@ -378,20 +403,27 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     # 1. the task family
     t = time.monotonic()
     suites, bundles = root / "suites", root / "bundles"
-    paths = {split: suites / f"{FAMILY}-{split}-s{plan.seed}.jsonl"
-             for split in ("train", "heldout", "heldout-templates")}
+    splits = ("train", "heldout", "heldout-templates") + (("validation",) if plan.n_validation else ())
+    paths = {split: suites / f"{FAMILY}-{split}-s{plan.seed}.jsonl" for split in splits}
     sizes = {"train": plan.n_train, "heldout": plan.n_heldout, "heldout-templates": plan.n_heldout_templates}
     rows = {}
-    for split, path in paths.items():
-        if "generate" in done and path.exists():
-            rows[split] = [json.loads(line) for line in path.read_text().splitlines()]
-            continue
-        rows[split] = generate(FAMILY, sizes[split], plan.seed, split, path, bundles_dir=bundles,
-                               distractors=plan.distractors, names=plan.train_names if split == "train" else "pools")
-    if "generate" not in done:
+    if "generate" in done and all(path.exists() for path in paths.values()):
+        rows = {split: [json.loads(line) for line in path.read_text().splitlines()] for split, path in paths.items()}
+    else:
+        for split, n in sizes.items():
+            extra = plan.n_validation if split == "heldout" else 0  # the validation split: drawn after the table's
+            rows[split] = generate(FAMILY, n + extra, plan.seed, split, paths[split], bundles_dir=bundles,
+                                   distractors=plan.distractors, names=plan.train_names if split == "train" else "pools")
+        if plan.n_validation:
+            rows["heldout"], rows["validation"] = rows["heldout"][:plan.n_heldout], rows["heldout"][plan.n_heldout:]
+            for split in ("heldout", "validation"):
+                paths[split].write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows[split]))
         stage("generate", t, **{k: len(v) for k, v in rows.items()})
     train_ids = [r["instance_id"] for r in rows["train"]]
     heldout_ids = [r["instance_id"] for r in rows["heldout"]]
+    validation_ids = [r["instance_id"] for r in rows.get("validation", [])]
+    if set(validation_ids) & set(heldout_ids):
+        raise DemoError(f"the validation split shares tasks with the held-out split; delete {suites} and run again")
 
     # 2. the model, pretrained (cached: the same spec and seed give the same folder)
     t = time.monotonic()
@@ -459,7 +491,8 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         if "RL" not in done or out["rl_job"] != job:
             await serve_weights(endpoint, sft_model, 0)  # the job's version 0
             cfg = rl.RLConfig.model_validate(rl_config(plan, job, paths["train"], train_ids, paths["heldout"],
-                                                       heldout_ids, sft_model, endpoint, port))
+                                                       heldout_ids, sft_model, endpoint, port,
+                                                       paths.get("validation"), validation_ids))
             rl.check(cfg)
             status = await rl.run_job(main, cfg, console)
             if status != "finished":
@@ -469,8 +502,22 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
             stage("RL", t, steps=_last_version(root / "rl" / job), job=job)  # fewer at the time limit
         rl_wall = next(st.wall_s for st in stages if st.name == "RL")
         rl_dir = root / "rl" / job
-        rl_model = model_folder(base, rl_dir / "weights" / f"v{_last_version(rl_dir)}", root / "models" / "rl")
+        sft_weights = sft_dir / "weights" / f"v{plan.sft_steps}"
+        rl_last = rl_version = _last_version(rl_dir)
+        if selecting:
+            if "after RL" not in chosen:
+                scores = await _rl_validation(main, job)
+                chosen["after RL"] = {"version": choose(scores), "last": rl_last, "validation": scores}
+                save(section=False)
+            rl_version = chosen["after RL"]["version"]
+
+        def rl_weights(version: int) -> Path:
+            return sft_weights if version == 0 else rl_dir / "weights" / f"v{version}"  # v0: the SFT checkpoint
+
+        rl_model = model_folder(base, rl_weights(rl_version), root / "models" / "rl")
         await evaluate("after RL", rl_model, 0)
+        if rl_version != rl_last:
+            await evaluate(LAST_ROWS["after RL"], model_folder(base, rl_weights(rl_last), root / "models" / "rl-last"), 0)
 
         # 7. SFT continued for RL's wall time, from the SFT checkpoint, on the same demonstrations
         t = time.monotonic()
@@ -479,9 +526,30 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
             await asyncio.to_thread(_trainer, more, sft_settings.resolved_database_url,
                                     root / "sft-continued.trainer.log")
             stage("SFT continued", t, steps=_last_version(sft_dir) - plan.sft_steps)
-        cont_model = model_folder(base, sft_dir / "weights" / f"v{_last_version(sft_dir)}",
-                                  root / "models" / "sft-continued")
+        cont_last = cont_version = _last_version(sft_dir)
+        if selecting:
+            t = time.monotonic()
+            pick = chosen.setdefault("SFT continued", {"version": None, "last": cont_last, "validation": []})
+            scored = {v for v, _ in pick["validation"]}
+            for version in spread(plan.sft_steps, cont_last, len(chosen["after RL"]["validation"])):
+                if version in scored:
+                    continue
+                await serve_weights(endpoint, sft_dir / "weights" / f"v{version}", 0)
+                sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
+                _, val = await one_pass(main, paths["validation"], f"demo-learn s{plan.seed}: SFT continued "
+                                        f"v{version} (validation)", sampler, plan.rl_eval_samples, plan, port,
+                                        console, temperature=plan.eval_temperature)
+                pick["validation"].append([version, val["pass_at_1"]])
+                save(section=False)
+            if pick["version"] is None:
+                pick["version"] = choose(pick["validation"])
+                stage("validate SFT continued", t, versions=len(pick["validation"]), chosen=pick["version"])
+            cont_version = pick["version"]
+        cont_model = model_folder(base, sft_dir / "weights" / f"v{cont_version}", root / "models" / "sft-continued")
         await evaluate("SFT continued", cont_model, 0)
+        if cont_version != cont_last:
+            await evaluate(LAST_ROWS["SFT continued"], model_folder(base, sft_dir / "weights" / f"v{cont_last}",
+                                                                    root / "models" / "sft-continued-last"), 0)
     finally:
         vllm.stop()
     await _add_solved(main, evals)
@@ -490,6 +558,37 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     out |= {"screenshot": str(shot) if shot else None, "complete": True}
     save()
     return out
+
+
+def choose(scores: list[list]) -> int:
+    """The version of [version, validation pass@1] pairs with the best pass@1 (ties: the later)."""
+    if not scores:
+        raise DemoError("no version was evaluated on the validation split to choose from")
+    return max(scores, key=lambda vs: (vs[1], vs[0]))[0]
+
+
+def spread(first: int, last: int, n: int) -> list[int]:
+    """n versions evenly from `first` to `last`, both in (fewer when the run has fewer)."""
+    if n <= 1 or last <= first:
+        return [last]
+    return sorted({first + round(i * (last - first) / (n - 1)) for i in range(n)})
+
+
+async def _rl_validation(settings: Settings, job: str) -> list[list]:
+    """[version, pass@1] of the RL job's finished evaluations (the validation split's), by
+    version; a version evaluated twice (a resumed job) counts its later evaluation."""
+    from service import rl
+    from service.store.db import make_async_engine
+
+    engine = make_async_engine(settings.resolved_database_url)
+    try:
+        run = await rl.find_job(engine, job)
+        state = await rl.job_state(engine, run.id)
+    finally:
+        await engine.dispose()
+    scores = {e["policy_version"]: e["pass_at_1"] for e in (state["training"] or {}).get("evals") or []
+              if e["status"] == "finished" and e["pass_at_1"] is not None}
+    return [[v, p] for v, p in sorted(scores.items())]
 
 
 async def _add_solved(settings: Settings, evals: dict) -> None:
@@ -541,10 +640,11 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
 
 _AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0,
               "rl_temperature": 1.0, "rl_warmup_steps": 0, "rl_format_weight": 0.0,
-              "rl_skip_zero": False}
+              "rl_skip_zero": False, "n_validation": 0, "select": False}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
-AFTER_RL = ("RL", "evaluate after RL", "SFT continued", "evaluate SFT continued")
+AFTER_RL = ("RL", "evaluate after RL", f"evaluate {LAST_ROWS['after RL']}", "SFT continued",
+            "validate SFT continued", "evaluate SFT continued", f"evaluate {LAST_ROWS['SFT continued']}")
 """The stages an RL setting (the plan's rl_ fields) changes: RL, and SFT continued, which takes RL's wall time."""
 EVAL_FIELDS = ("eval_temperature", "eval_samples", "eval_templates_samples")
 """Plan fields only the four final evaluations read."""
@@ -571,9 +671,10 @@ def _resumable(path: Path, plan: LearnPlan) -> dict | None:
     out = dict(before)
     if rl:
         out |= {"stages": [st for st in out["stages"] if st["name"] not in AFTER_RL], "rl_run_id": None, "rl_job": None,
-                "evals": {k: v for k, v in out["evals"].items() if k in ("before SFT", "after SFT")}}
-    if evals:
-        out |= {"stages": [st for st in out["stages"] if not st["name"].startswith("evaluate ")], "evals": {}}
+                "evals": {k: v for k, v in out["evals"].items() if k in ("before SFT", "after SFT")}, "chosen": {}}
+    if evals:  # the validation scores were sampled at the evaluations' settings too
+        out |= {"stages": [st for st in out["stages"] if not st["name"].startswith(("evaluate ", "validate "))],
+                "evals": {}, "chosen": {}}
     return out | {"wall_s": sum(st["wall_s"] for st in out["stages"])}
 
 
@@ -702,7 +803,8 @@ def results_section(out: dict, cmd: str) -> str:
     walls = {s["name"]: s["wall_s"] for s in out["stages"]}
     wall_of = {"before SFT": None, "after SFT": walls.get("SFT"), "after RL": walls.get("RL"),
                "SFT continued": walls.get("SFT continued")}
-    for row in ROWS:
+    wall_of |= {last: wall_of[row] for row, last in LAST_ROWS.items()}
+    for row in (*ROWS, *LAST_ROWS.values()):
         e = out["evals"].get(row)
         if e is None:
             continue
@@ -712,6 +814,14 @@ def results_section(out: dict, cmd: str) -> str:
                      f"| {_fmt(h['pass_at_k'])} | {_fmt(h['format_error_rate'])} | {_fmt(h['mean_turns'], 2)} "
                      f"| {_fmt(t['pass_at_1'])} | {'-' if wall_of[row] is None else f'{wall_of[row] / 60:.1f} min'} |")
     lines += ["", "Stages: " + "; ".join(f"{s['name']} {s['wall_s']:.0f} s" for s in out["stages"]) + "."]
+    for row, pick in (out.get("chosen") or {}).items():
+        if pick.get("version") is None:
+            continue
+        scores = ", ".join(f"v{v} {p:.3f}" for v, p in pick["validation"])
+        lines += ["", f"{row}: version {pick['version']} of the run's {pick['last']}, chosen on the validation split "
+                  f"({plan['n_validation']} held-out-name tasks x {plan['rl_eval_samples']}, none of the table's; "
+                  f"pass@1 {scores})" + ("." if pick["version"] == pick["last"] else
+                                         f"; its last version is the row \"{LAST_ROWS[row]}\".")]
     paired = paired_rows(out["evals"])
     if paired:
         lines += ["", "Paired over the same held-out tasks (each task's solved fraction against its own; "
@@ -730,7 +840,8 @@ def results_section(out: dict, cmd: str) -> str:
     return "\n".join(lines)
 
 
-PAIRS = (("after RL", "after SFT"), ("after RL", "SFT continued"), ("SFT continued", "after SFT"))
+PAIRS = (("after RL", "after SFT"), ("after RL", "SFT continued"), ("SFT continued", "after SFT"),
+         (LAST_ROWS["after RL"], "after SFT"), (LAST_ROWS["after RL"], LAST_ROWS["SFT continued"]))
 
 
 def paired_rows(evals: dict) -> list[tuple[str, dict]]:

@@ -39,17 +39,33 @@ def test_demo_learn_quick_runs_every_stage(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     out = json.loads((root / "results.json").read_text())
     stages = [s["name"] for s in out["stages"]]
+    # the trained rows are the versions the validation split chose; a run's last version, when
+    # another, is evaluated as its own row
+    rl_pick, cont_pick = out["chosen"]["after RL"], out["chosen"]["SFT continued"]
+    assert [v for v, _ in rl_pick["validation"]] == [0, 1, 2] and rl_pick["last"] == 2
+    assert rl_pick["version"] == max(rl_pick["validation"], key=lambda vp: (vp[1], vp[0]))[0]
+    assert cont_pick["last"] > 2 and cont_pick["validation"][0][0] == 2 and cont_pick["validation"][-1][0] == cont_pick["last"]
+    assert len(cont_pick["validation"]) == 3 and cont_pick["version"] in [v for v, _ in cont_pick["validation"]]
+    rl_last, cont_last = rl_pick["version"] != 2, cont_pick["version"] != cont_pick["last"]
     assert stages == ["generate", "model", "evaluate before SFT", "demonstrations", "SFT", "evaluate after SFT",
-                      "RL", "evaluate after RL", "SFT continued", "evaluate SFT continued"]
-    assert out["stages"][0]["detail"] == {"train": 4, "heldout": 2, "heldout-templates": 2}
+                      "RL", "evaluate after RL"] + ["evaluate RL, last version"] * rl_last + [
+                      "SFT continued", "validate SFT continued", "evaluate SFT continued"] + [
+                      "evaluate SFT continued, last version"] * cont_last
+    assert out["stages"][0]["detail"] == {"train": 4, "heldout": 2, "heldout-templates": 2, "validation": 2}
+    validation = [json.loads(line) for line in (root / "suites" / "pyfix-validation-s3.jsonl").read_text().splitlines()]
+    heldout = [json.loads(line) for line in (root / "suites" / "pyfix-heldout-s3.jsonl").read_text().splitlines()]
+    assert len(validation) == 2 and not {r["instance_id"] for r in validation} & {r["instance_id"] for r in heldout}
     assert out["stages"][3]["detail"] == {"episodes": 2}  # both demonstrations solved their tasks
     # the policy started from the pretrained model (a few steps here), tied and soft-normed
     assert 0.0 <= out["stages"][1]["detail"]["copy_accuracy"] <= 1.0
     assert out["pretrain"]["spec"]["copy_steps"] == 2 and out["pretrain"]["tokens"] > 0
     [pretrained] = (root / "models").glob("pretrained-s3-*")
     assert json.loads((pretrained / "config.json").read_text())["tie_word_embeddings"] is True
-    assert out["stages"][8]["detail"]["steps"] >= 1  # SFT went on for RL's wall time
-    for row in ("before SFT", "after SFT", "after RL", "SFT continued"):
+    assert out["stages"][stages.index("SFT continued")]["detail"]["steps"] >= 1  # SFT went on for RL's wall time
+    rows = ["before SFT", "after SFT", "after RL", "SFT continued"] + ["RL, last version"] * rl_last + [
+        "SFT continued, last version"] * cont_last
+    assert sorted(out["evals"]) == sorted(rows)
+    for row in rows:
         held, templ = out["evals"][row]["heldout"], out["evals"][row]["heldout-templates"]
         assert (held["tasks"], held["samples"], held["final"]) == (2, 4, 4), held
         assert (templ["tasks"], templ["samples"]) == (2, 2), templ
@@ -69,11 +85,13 @@ def test_demo_learn_quick_runs_every_stage(tmp_path):
     assert (kind, status) == ("train", "finished")
     versions = [v for (v,) in conn.execute("select version from policies order by version")]
     assert versions == [0, 1, 2]
-    evals = conn.execute("select policy_version, status from runs where kind = 'eval' and parent_id = ? "
+    evals = conn.execute("select policy_version, status, config from runs where kind = 'eval' and parent_id = ? "
                          "order by policy_version", (out["rl_run_id"].replace("-", ""),)).fetchall()
-    assert [v for v, s in evals if s == "finished"] == [0, 1, 2]
+    assert [v for v, s, _ in evals if s == "finished"] == [0, 1, 2]
+    assert {tuple(sorted(json.loads(c)["instance_ids"])) for _, _, c in evals} == {
+        tuple(sorted(r["instance_id"] for r in validation))}  # the RL job evaluated on the validation split
     one_pass = conn.execute("select count(*) from runs where kind = 'sample' and status = 'finished'").fetchone()[0]
-    assert one_pass == 8  # four policies x two held-out splits
+    assert one_pass == 2 * len(rows) + 3  # each row x two held-out splits, SFT continued's versions on the validation
     # the SFT trainer kept its own database: the demonstrations and its versions
     sft = sqlite3.connect(root / "sft.db")
     assert sft.execute("select count(*) from runs").fetchone()[0] == 1

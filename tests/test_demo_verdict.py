@@ -150,3 +150,62 @@ def test_the_section_names_the_training_runs_screenshot():
     out["screenshot"] = None  # no browser where it ran: the run is still named, no screenshot claimed
     assert "(4920b79a-e61d-4dc3-9af1-031323323ed5) stays in the demo's database" in results_section(out, "x")
     assert "screenshot" not in results_section(out, "x")
+
+
+def test_the_trained_rows_are_the_versions_the_validation_split_chose(tmp_path):
+    """LearnPlan.select: the best validation pass@1 (ties: the later version) among the run's
+    evaluated versions; SFT continued's candidates spread evenly from its start to its last; the
+    RL job evaluates on the validation split, none of whose tasks the table holds; the section
+    names the chosen versions and adds each run's last version as its own row."""
+    import json
+    from dataclasses import asdict, replace
+
+    from service.demo import LearnPlan, _resumable, choose, paired_rows, results_section, rl_config, spread
+
+    assert choose([[0, 0.5], [5, 0.6], [10, 0.6], [15, 0.4]]) == 10
+    assert choose([[0, 0.7], [5, 0.6]]) == 0  # RL that only lost: its start, the SFT checkpoint
+    assert spread(450, 1350, 9) == [450, 562, 675, 788, 900, 1012, 1125, 1238, 1350]
+    assert spread(450, 452, 9) == [450, 451, 452] and spread(450, 450, 9) == [450] and spread(2, 7, 1) == [7]
+    plan = LearnPlan()
+    cfg = rl_config(plan, "job", tmp_path / "train.jsonl", [f"t{i}" for i in range(plan.demos + 8)],
+                    tmp_path / "heldout.jsonl", [f"h{i}" for i in range(64)], tmp_path / "model",
+                    "http://127.0.0.1:1", 8030, tmp_path / "validation.jsonl", ["v0", "v1"])
+    assert (cfg["eval"]["path"], cfg["eval"]["instance_ids"]) == (str(tmp_path / "validation.jsonl"), ["v0", "v1"])
+    old = rl_config(plan, "job", tmp_path / "train.jsonl", [f"t{i}" for i in range(plan.demos + 8)],
+                    tmp_path / "heldout.jsonl", [f"h{i}" for i in range(64)], tmp_path / "model",
+                    "http://127.0.0.1:1", 8030)
+    assert old["eval"]["instance_ids"] == [f"h{i}" for i in range(plan.rl_eval_tasks)]
+
+    def row(p: float) -> dict:
+        solved = {f"t{i}": p for i in range(4)}
+        held = {"pass_at_1": p, "pass_at_1_ci": [p - 0.1, p + 0.1], "pass_at_k": p, "format_error_rate": 0.1,
+                "mean_turns": 3.0, "solved": solved}
+        return {"heldout": held, "heldout-templates": {"pass_at_1": 0.0}}
+
+    evals = {"after SFT": row(0.25), "after RL": row(0.5), "RL, last version": row(0.25), "SFT continued": row(0.25)}
+    chosen = {"after RL": {"version": 25, "last": 40, "validation": [[0, 0.5], [25, 0.625], [40, 0.5]]},
+              "SFT continued": {"version": 40, "last": 40, "validation": [[0, 0.5], [40, 0.55]]}}
+    out = {"plan": asdict(plan), "machine": {"cores": 2, "cpu": "x"}, "wall_s": 60.0, "parameters": 1e6,
+           "pretrain": None, "evals": evals, "chosen": chosen, "stages": [{"name": "RL", "wall_s": 600.0}],
+           "rl_run_id": None}
+    text = results_section(out, "swerve demo learn")
+    assert "| RL, last version | 0.250 (0.150-0.350) |" in text and "| 10.0 min |" in text
+    assert ("after RL: version 25 of the run's 40, chosen on the validation split (32 held-out-name tasks x 4, "
+            "none of the table's; pass@1 v0 0.500, v25 0.625, v40 0.500); its last version is the row "
+            "\"RL, last version\".") in text
+    assert "SFT continued: version 40 of the run's 40, chosen" in text
+    assert [n for n, _ in paired_rows(evals)][-1] == "RL, last version - after SFT"
+    # a resumed demo with other RL settings chooses again; one with other evaluation settings too
+    path = tmp_path / "results.json"
+    stages = [{"name": n, "wall_s": 2.0, "detail": {}}
+              for n in ("generate", "SFT", "RL", "evaluate after RL", "validate SFT continued")]
+    path.write_text(json.dumps(out | {"stages": stages, "complete": False}))
+    assert _resumable(path, plan)["chosen"] == chosen
+    assert _resumable(path, replace(plan, rl_lr=1e-5))["chosen"] == {}
+    again = _resumable(path, replace(plan, eval_temperature=0.25))
+    assert again["chosen"] == {} and [st["name"] for st in again["stages"]] == ["generate", "SFT", "RL"]
+    # a demo saved before the split existed ran without it: its plan is another one
+    del out["plan"]["n_validation"], out["plan"]["select"]
+    path.write_text(json.dumps(out | {"stages": stages, "complete": False}))
+    assert _resumable(path, plan) is None
+    assert _resumable(path, replace(plan, n_validation=0, select=False)) is not None

@@ -84,6 +84,15 @@ def test_same_bytes_in_another_process(tmp_path, suites):
         assert (tmp_path / "bundles" / name).read_bytes() == (path.parent / "bundles" / name).read_bytes()
 
 
+def test_more_tasks_draw_the_same_first_ones(tmp_path, suites):
+    """The first n tasks of a longer draw are the n tasks of a draw of n: the demo's validation
+    split is the tail of a held-out draw whose head is the held-out table's, so none is shared."""
+    path, rows = suites["heldout"]
+    longer = generate("pyfix", N + 2, 3, "heldout", tmp_path / "heldout.jsonl")
+    assert longer[:N] == rows
+    assert not {r["problem_statement"] for r in longer[N:]} & {r["problem_statement"] for r in rows}
+
+
 def test_another_seed_other_tasks(tmp_path, suites):
     _, rows = suites["train"]
     other = generate("pyfix", N, 4, "train", tmp_path / "train.jsonl")
