@@ -11,8 +11,12 @@ RL settings, only on RL's wall time). The original folder is not touched.
 
     .venv/bin/python bench/demo_rl_variant.py --to var/demo-fw0 --set rl_format_weight=0.0
 
-Prints the variant's rows (after SFT as the demo measured it, after RL with the variant) and the
-paired difference, and the original's after-RL row beside them.
+    .venv/bin/python bench/demo_rl_variant.py --to var/demo-repeat --set rl_seed=1000 --label repeat
+
+(the second: RL again with the same settings, another seed: the run-to-run spread from one checkpoint).
+Prints the variant's rows (after SFT as the demo measured it, after RL with the variant, and its
+last version when the validation split chose another) and the paired differences, and the
+original's after-RL row beside them.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ def _value(text: str, like):
         if text not in ("true", "false"):
             raise SystemExit(f"--set: {text!r} must be true or false")
         return text == "true"
-    return type(like)(text) if like is not None else (None if text == "none" else float(text))
+    if like is not None:
+        return type(like)(text)
+    return None if text == "none" else int(text) if text.lstrip("-").isdigit() else float(text)
 
 
 def parse_sets(pairs: list[str], plan: demo.LearnPlan) -> dict:
@@ -78,7 +84,12 @@ async def main(args) -> None:
         raise SystemExit(f"--to {root}: exists; give a new folder")
     shutil.copytree(source, root, ignore=lambda folder, names: [
         n for n in names if str((Path(folder) / n).relative_to(source)) in SKIP])
-    (root / "results.json").write_text(json.dumps(saved))
+    # RL and what follows it start afresh there, whatever the settings (the same ones: a repeat)
+    after_rl = set(demo.AFTER_RL) | {f"evaluate {row}" for row in demo.LAST_ROWS.values()}
+    (root / "results.json").write_text(json.dumps(saved | {
+        "stages": [st for st in saved["stages"] if st["name"] not in after_rl], "chosen": {}, "rl_run_id": None,
+        "rl_job": None, "complete": False, "evals": {k: v for k, v in saved["evals"].items()
+                                                     if k in ("before SFT", "after SFT")}}))
     settings = base.model_copy(update={"data_dir": root, "models_dir": root / "models"})
     setup_logging(settings.log_format, level="INFO", path=root / "demo-learn.log")
 
@@ -103,6 +114,12 @@ async def main(args) -> None:
     walls = {s["name"]: s["wall_s"] for s in out["stages"]}
     rows = [("after SFT", out["evals"]["after SFT"], None), (f"after RL ({label})", out["evals"]["after RL"],
                                                              walls.get("RL"))]
+    last = demo.LAST_ROWS["after RL"]
+    if last in out["evals"]:
+        rows.append((f"{last} ({label})", out["evals"][last], walls.get("RL")))
+    if pick := (out.get("chosen") or {}).get("after RL"):
+        print(f"\nafter RL ({label}): version {pick['version']} of {pick['last']}, chosen on the validation split: "
+              + ", ".join(f"v{v} {p:.3f}" for v, p in pick["validation"]))
     if "after RL" in saved["evals"]:
         rows.append(("after RL (the demo's)", saved["evals"]["after RL"],
                      next((s["wall_s"] for s in saved["stages"] if s["name"] == "RL"), None)))
@@ -112,7 +129,8 @@ async def main(args) -> None:
         print(f"| {name} | {h['pass_at_1']:.3f} ({lo:.3f}-{hi:.3f}) | {h['pass_at_k']:.3f} | "
               f"{h['format_error_rate']:.3f} | {t['pass_at_1']:.3f} | {'-' if wall is None else f'{wall / 60:.1f} min'} |")
     solved = {name: e["heldout"]["solved"] for name, e, _ in rows}
-    for a, b in ((f"after RL ({label})", "after SFT"), (f"after RL ({label})", "after RL (the demo's)")):
+    for a, b in ((f"after RL ({label})", "after SFT"), (f"after RL ({label})", "after RL (the demo's)"),
+                 (f"{last} ({label})", "after SFT"), (f"after RL ({label})", f"{last} ({label})")):
         if a in solved and b in solved and (d := paired_difference(solved[b], solved[a])) is not None:
             print(f"paired {a} - {b}: {d['difference']:+.3f} ({d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}), "
                   f"{d['better']} tasks better, {d['worse']} worse, of {d['tasks']}")
@@ -122,7 +140,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--to", type=Path, required=True, help="A new folder for the variant's copy of the demo.")
     parser.add_argument("--set", nargs="+", required=True, metavar="FIELD=VALUE",
-                        help="LearnPlan RL fields to change, e.g. rl_format_weight=0.0")
+                        help="LearnPlan RL fields to change, e.g. rl_format_weight=0.0; rl_seed=N repeats RL with "
+                             "the same settings as an independent run")
     parser.add_argument("--label", default=None, help="Suffix of the variant's RL job name (default: from --set).")
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--vllm-port", type=int, default=8131)

@@ -126,6 +126,9 @@ class LearnPlan:
     warmup and the lower lr: 9 steps. On 2026-12-03 a 9-step job moved held-out pass@1 from 0.223 to 0.266; a 15-step
     job with the same settings saw its held-out evaluation fall (0.219 at v0, 0.109 at v5, 0.078
     at v10) and was stopped at step 12: the run-to-run spread at lr 3e-4 is as large as the gain."""
+    rl_seed: int | None = None
+    """The RL job's seed (its task order and the trainer's); None: the plan's. Another value
+    repeats RL from the same SFT checkpoint as an independent run (bench/demo_rl_variant.py)."""
     rl_groups_per_step: int = 16
     """Tasks per step. Most tasks are solved always or never (held-out pass@8 after SFT 0.39
     against pass@1 0.29), so only about a third of the groups carry a reward spread; the run of
@@ -329,7 +332,8 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
     fresh = train_ids[plan.demos:] or train_ids
     suite, ids = (validation, validation_ids) if validation is not None else (heldout, heldout_ids[:plan.rl_eval_tasks])
     return {
-        "job": {"name": name, "steps": plan.rl_steps, "seed": plan.seed, "time_limit_s": plan.rl_time_limit_s},
+        "job": {"name": name, "steps": plan.rl_steps, "seed": plan.seed if plan.rl_seed is None else plan.rl_seed,
+                "time_limit_s": plan.rl_time_limit_s},
         "suite": {"path": str(train), "groups_per_step": plan.rl_groups_per_step, "instance_ids": fresh},
         "eval": {"enabled": True, "path": str(suite), "instance_ids": ids,
                  "every": min(plan.rl_eval_every, plan.rl_steps), "samples_per_task": plan.rl_eval_samples,

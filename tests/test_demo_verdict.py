@@ -175,6 +175,9 @@ def test_the_trained_rows_are_the_versions_the_validation_split_chose(tmp_path):
                     tmp_path / "heldout.jsonl", [f"h{i}" for i in range(64)], tmp_path / "model",
                     "http://127.0.0.1:1", 8030)
     assert old["eval"]["instance_ids"] == [f"h{i}" for i in range(plan.rl_eval_tasks)]
+    assert old["job"]["seed"] == plan.seed  # rl_seed: another RL run from the same checkpoint
+    assert rl_config(replace(plan, rl_seed=7), "job", tmp_path / "t.jsonl", ["t"], tmp_path / "h.jsonl", ["h"],
+                     tmp_path / "model", "http://127.0.0.1:1", 8030)["job"]["seed"] == 7
 
     def row(p: float) -> dict:
         solved = {f"t{i}": p for i in range(4)}
