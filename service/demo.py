@@ -72,7 +72,10 @@ class LearnPlan:
     table never sees. Each run's last version is evaluated on the held-out split too, as its own
     row. Why: the RL job's own evaluations peaked before its end on two of three 40-step runs
     (seed 0: v25 of 40 on an AMD EPYC, v30 of 40 on an Intel Xeon, whose last version kept only
-    1.2 of the points, bench/RESULTS.md 2026-12-06)."""
+    1.2 of the points, bench/RESULTS.md 2026-12-06). The first run with the choice (seed 0, an AVX2
+    EPYC, 2026-12-06): RL's v20 of 32 held out at 0.244 against its last version's 0.209, from
+    SFT's 0.137; SFT continued's choice (v546, validation 0.258) held out below its last version
+    (0.201 against 0.229): 32 tasks x 4 tell a 10-point change from noise, not a 3-point one."""
     distractors: int = 1
     train_names: str = "words"
     """"words": train names from a list of 3000 dictionary words (envs.families.LISTED), real
