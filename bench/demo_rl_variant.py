@@ -85,9 +85,8 @@ async def main(args) -> None:
     shutil.copytree(source, root, ignore=lambda folder, names: [
         n for n in names if str((Path(folder) / n).relative_to(source)) in SKIP])
     # RL and what follows it start afresh there, whatever the settings (the same ones: a repeat)
-    after_rl = set(demo.AFTER_RL) | {f"evaluate {row}" for row in demo.LAST_ROWS.values()}
     (root / "results.json").write_text(json.dumps(saved | {
-        "stages": [st for st in saved["stages"] if st["name"] not in after_rl], "chosen": {}, "rl_run_id": None,
+        "stages": [st for st in saved["stages"] if st["name"] not in demo.AFTER_RL], "chosen": {}, "rl_run_id": None,
         "rl_job": None, "complete": False, "evals": {k: v for k, v in saved["evals"].items()
                                                      if k in ("before SFT", "after SFT")}}))
     settings = base.model_copy(update={"data_dir": root, "models_dir": root / "models"})
