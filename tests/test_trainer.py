@@ -416,6 +416,25 @@ async def test_the_learning_rate_warms_up_over_the_first_steps_of_a_run(engine, 
     assert [m["lr"] for m in history] == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr, lr])
 
 
+def test_the_learning_rate_decays_over_the_updates_before_decay_end():
+    """optim.decay_steps: constant after the warmup, then down over the decay_steps updates that
+    end at version decay_end (the last of them still moves), then min_lr_factor x lr on; a
+    decay with nowhere to end is refused, naming the field."""
+    from trainer.config import OptimConfig
+
+    lr = 1e-3
+    linear = OptimConfig(lr=lr, warmup_steps=1, decay_steps=4, decay_end=8)
+    assert [linear.lr_at(s) for s in range(10)] == pytest.approx(
+        [lr / 2, lr, lr, lr, lr, 3 * lr / 4, lr / 2, lr / 4, 0.0, 0.0])
+    floor = OptimConfig(lr=lr, decay_steps=2, decay_end=2, decay_type="cosine", min_lr_factor=0.1)
+    assert [floor.lr_at(s) for s in range(4)] == pytest.approx([lr, 0.55 * lr, 0.1 * lr, 0.1 * lr])
+    assert OptimConfig(lr=lr).lr_at(10**6) == lr
+    with pytest.raises(ValueError, match="decay_end"):
+        OptimConfig(lr=lr, decay_steps=4)
+    with pytest.raises(ValueError, match="decay_end"):
+        OptimConfig(lr=lr, decay_steps=4, decay_end=3)
+
+
 async def test_a_time_limit_stops_the_trainer_after_a_step(engine, tiny, tmp_path):
     from trainer.config import TrainerConfig
     from trainer.model import build_model

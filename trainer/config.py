@@ -5,6 +5,7 @@ before a model is built."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 import uuid
@@ -30,9 +31,32 @@ class OptimConfig(BaseModel):
     (RL from an SFT checkpoint) otherwise moves every parameter by about lr in its first steps:
     Adam's first updates are the gradient's sign."""
 
+    decay_steps: int = Field(0, ge=0)
+    """The learning rate falls over the decay_steps updates that end at version decay_end, and
+    stays at min_lr_factor x lr after it (torchtitan's warmup-stable-decay schedule, its decay
+    placed by a version rather than a share of the run, as the trainer runs to a version or a time
+    limit). 0: constant after the warmup. An SFT run at a constant rate ends wherever its last
+    noisy update left it; the decay averages its last stretch."""
+    decay_end: int | None = Field(None, ge=1)
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    min_lr_factor: float = Field(0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _decay(self) -> OptimConfig:
+        if self.decay_steps and (self.decay_end is None or self.decay_end < self.decay_steps):
+            raise ValueError(f"optim.decay_end: give the version the decay ends at, at least decay_steps "
+                             f"({self.decay_steps}); got {self.decay_end}")
+        return self
+
     def lr_at(self, step: int) -> float:
         """The learning rate of the update that makes version step + 1."""
-        return self.lr * min(1.0, (step + 1) / (self.warmup_steps + 1))
+        lr = self.lr * min(1.0, (step + 1) / (self.warmup_steps + 1))
+        if not self.decay_steps:
+            return lr
+        progress = min(1.0, max(0.0, (step - (self.decay_end - self.decay_steps)) / self.decay_steps))
+        left = {"linear": 1.0 - progress, "sqrt": 1.0 - math.sqrt(progress),
+                "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[self.decay_type]
+        return lr * (self.min_lr_factor + (1.0 - self.min_lr_factor) * left)
 
 
 class ParallelismConfig(BaseModel):
