@@ -131,8 +131,9 @@ def demo_learn(
     seed: Annotated[int, typer.Option(help="Seed of the tasks, the model, the demonstrations and the RL job.")] = 0,
     quick: Annotated[bool, typer.Option(help="Every stage on a few tasks for a few steps: the pipeline, not "
                                              "the learning (minutes).")] = False,
-    results: Annotated[Path | None, typer.Option(help="Where the \"demo learn\" section goes (default: "
-                                                      "bench/RESULTS.md; none with --quick).")] = None,
+    results: Annotated[Path | None, typer.Option(help="Where the \"demo learn\" section goes, before the "
+                                                      "file's first (default: bench/RESULTS.md; none with --quick); a "
+                                                      "resumed demo replaces its own section.")] = None,
     port: Annotated[int, typer.Option(help="Port of the API and UI while the demo runs.")] = 8030,
     vllm_port: Annotated[int, typer.Option(help="Port of the local vLLM server.")] = 8130,
 ) -> None:

@@ -113,6 +113,10 @@ class LearnPlan:
     sft_lr: float = 5e-4
     """From the pretrained start (a probe: 2e-3 was tuned for a random start; 5e-4 keeps the
     copying, accuracy on random-token repeats 0.98 before and after)."""
+    sft_decay_steps: int = 0
+    """SFT's learning rate falls linearly to 0 over its last sft_decay_steps steps (trainer
+    optim.decay_steps); 0: constant to the end. SFT continued goes on at sft_lr from the SFT
+    checkpoint whatever this is."""
     rl_steps: int = 40
     """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 40 steps of 16
     groups draw each of the 640 train tasks not demonstrated once. With vLLM's CPU server running
@@ -380,10 +384,10 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     began = time.monotonic()
     out = {"plan": asdict(plan), "parameters": None, "pretrain": None, "evals": {}, "chosen": {}, "stages": [],
            "wall_s": 0.0, "rl_run_id": None, "rl_job": None, "screenshot": None, "machine": machine(),
-           "complete": False}
+           "complete": False, "id": uuid.uuid4().hex[:12]}
     before = _resumable(root / "results.json", plan)
     if before is not None:
-        out |= {k: before[k] for k in ("evals", "chosen", "rl_run_id", "rl_job") if before.get(k) is not None}
+        out |= {k: before[k] for k in ("evals", "chosen", "rl_run_id", "rl_job", "id") if before.get(k) is not None}
         stages[:] = [Stage(**st) for st in before["stages"]]
         began -= before["wall_s"]
         console.print(f"resuming the demo in {root}: done {', '.join(st.name for st in stages)}")
@@ -445,6 +449,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
     vllm = start_vllm(settings, base, vllm_port, console, max_model_len=plan.max_model_len, die_with_parent=True)
     try:
         endpoint = vllm.url
+        sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
         evals: dict[str, dict] = out["evals"]
 
         async def evaluate(row: str, weights: Path, version: int) -> None:
@@ -452,7 +457,6 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
                 return
             t = time.monotonic()
             await serve_weights(endpoint, weights, version)
-            sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
             _, held = await one_pass(main, paths["heldout"], f"demo-learn s{plan.seed}: {row} (heldout)", sampler,
                                      plan.eval_samples, plan, port, console, temperature=plan.eval_temperature)
             _, templ = await one_pass(main, paths["heldout-templates"],
@@ -483,9 +487,12 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         sft_cfg = {"name": "sft", "model": str(base), "out_dir": str(root / "sft"), "steps": 0,
                    "until_step": plan.sft_steps, "groups_per_step": plan.sft_groups_per_step, "sft": True,
                    "dataset": {"run_id": str(demo_run)}, "checkpoint_every": plan.sft_steps, "seed": plan.seed,
-                   "optim": {"lr": plan.sft_lr}, "data": {"seq_len": plan.seq_len}}
+                   "optim": {"lr": plan.sft_lr} | ({"decay_steps": plan.sft_decay_steps, "decay_end": plan.sft_steps}
+                                                    if plan.sft_decay_steps else {}),
+                   "data": {"seq_len": plan.seq_len}}
         sft_dir = root / "sft" / "sft"
         if "SFT" not in done or not (sft_dir / "weights" / f"v{plan.sft_steps}").is_dir():
+            shutil.rmtree(sft_dir, ignore_errors=True)  # another plan's SFT (it checkpoints only at its end)
             sft_wall = await asyncio.to_thread(_trainer, sft_cfg, sft_settings.resolved_database_url,
                                                root / "sft.trainer.log")
             stage("SFT", t, steps=plan.sft_steps, trainer_s=round(sft_wall, 1))
@@ -505,7 +512,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
             if status != "finished":
                 raise DemoError(f"the RL job ended {status}; its logs are in {root / 'rl'} (run the demo "
                                 "again to resume: a new job starts from the SFT weights)")
-            out["rl_run_id"], out["rl_job"] = str(await _training_run(main, job)), job
+            out["rl_run_id"], out["rl_job"] = str((await _job_run(main, job))[0]), job
             stage("RL", t, steps=_last_version(root / "rl" / job), job=job)  # fewer at the time limit
         rl_wall = next(st.wall_s for st in stages if st.name == "RL")
         rl_dir = root / "rl" / job
@@ -513,7 +520,7 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         rl_last = rl_version = _last_version(rl_dir)
         if selecting:
             if "after RL" not in chosen:
-                scores = await _rl_validation(main, job)
+                _, scores = await _job_run(main, job)
                 chosen["after RL"] = {"version": choose(scores), "last": rl_last, "validation": scores}
                 save(section=False)
             rl_version = chosen["after RL"]["version"]
@@ -529,7 +536,8 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
         # 7. SFT continued for RL's wall time, from the SFT checkpoint, on the same demonstrations
         t = time.monotonic()
         if "SFT continued" not in done:
-            more = sft_cfg | {"until_step": None, "time_limit_s": rl_wall, "checkpoint_every": 10**6}
+            more = sft_cfg | {"until_step": None, "time_limit_s": rl_wall, "checkpoint_every": 10**6,
+                              "optim": {"lr": plan.sft_lr}}
             await asyncio.to_thread(_trainer, more, sft_settings.resolved_database_url,
                                     root / "sft-continued.trainer.log")
             stage("SFT continued", t, steps=_last_version(sft_dir) - plan.sft_steps)
@@ -542,7 +550,6 @@ async def learn(settings: Settings, plan: LearnPlan, console, *, port: int = 803
                 if version in scored:
                     continue
                 await serve_weights(endpoint, sft_dir / "weights" / f"v{version}", 0)
-                sampler = {"type": "vllm", "endpoints": [endpoint], "tokenizer": str(base)}
                 _, val = await one_pass(main, paths["validation"], f"demo-learn s{plan.seed}: SFT continued "
                                         f"v{version} (validation)", sampler, plan.rl_eval_samples, plan, port,
                                         console, temperature=plan.eval_temperature)
@@ -581,9 +588,10 @@ def spread(first: int, last: int, n: int) -> list[int]:
     return sorted({first + round(i * (last - first) / (n - 1)) for i in range(n)})
 
 
-async def _rl_validation(settings: Settings, job: str) -> list[list]:
-    """[version, pass@1] of the RL job's finished evaluations (the validation split's), by
-    version; a version evaluated twice (a resumed job) counts its later evaluation."""
+async def _job_run(settings: Settings, job: str) -> tuple[uuid.UUID, list[list]]:
+    """The RL job's training run, and [version, pass@1] of its finished evaluations (the
+    validation split's) by version; a version evaluated twice (a resumed job) counts its later
+    evaluation."""
     from service import rl
     from service.store.db import make_async_engine
 
@@ -595,7 +603,7 @@ async def _rl_validation(settings: Settings, job: str) -> list[list]:
         await engine.dispose()
     scores = {e["policy_version"]: e["pass_at_1"] for e in (state["training"] or {}).get("evals") or []
               if e["status"] == "finished" and e["pass_at_1"] is not None}
-    return [[v, p] for v, p in sorted(scores.items())]
+    return run.id, [[v, p] for v, p in sorted(scores.items())]
 
 
 async def _add_solved(settings: Settings, evals: dict) -> None:
@@ -653,6 +661,8 @@ these values."""
 AFTER_RL = ("RL", "evaluate after RL", f"evaluate {LAST_ROWS['after RL']}", "SFT continued",
             "validate SFT continued", "evaluate SFT continued", f"evaluate {LAST_ROWS['SFT continued']}")
 """The stages an RL setting (the plan's rl_ fields) changes: RL, and SFT continued, which takes RL's wall time."""
+BEFORE_SFT = ("generate", "model", "evaluate before SFT", "demonstrations")
+"""The stages an SFT setting (the plan's sft_ fields) leaves as they were."""
 EVAL_FIELDS = ("eval_temperature", "eval_samples", "eval_templates_samples")
 """Plan fields only the four final evaluations read."""
 
@@ -661,8 +671,9 @@ def _resumable(path: Path, plan: LearnPlan) -> dict | None:
     """The figures a previous run of the same plan saved in `path` (fields added to the plan since
     are compared at the value they had before, their default or _AS_BEFORE's), or None. A plan
     that differs only in RL settings keeps the stages before RL (RL and SFT continued, which
-    takes RL's wall time, start afresh); one that differs in evaluation settings keeps its
-    trained checkpoints and evaluates them all again. Both hold for a finished demo too."""
+    takes RL's wall time, start afresh); one that differs in SFT settings keeps the tasks, the
+    model, its evaluation and the demonstrations; one that differs in evaluation settings keeps its
+    trained checkpoints and evaluates them all again. All hold for a finished demo too."""
     if not path.exists():
         return None
     before = json.loads(path.read_text())
@@ -673,9 +684,13 @@ def _resumable(path: Path, plan: LearnPlan) -> dict | None:
         return None if before.get("complete") else before
     changed = {k for k in now if saved[k] != now[k]}
     rl, evals = {k for k in changed if k.startswith("rl_")}, changed & set(EVAL_FIELDS)
-    if changed - rl - evals:
+    sft = {k for k in changed if k.startswith("sft_")}
+    if changed - rl - evals - sft:
         return None
     out = dict(before)
+    if sft:
+        out |= {"stages": [st for st in out["stages"] if st["name"] in BEFORE_SFT], "rl_run_id": None,
+                "rl_job": None, "evals": {k: v for k, v in out["evals"].items() if k == "before SFT"}, "chosen": {}}
     if rl:
         out |= {"stages": [st for st in out["stages"] if st["name"] not in AFTER_RL], "rl_run_id": None, "rl_job": None,
                 "evals": {k: v for k, v in out["evals"].items() if k in ("before SFT", "after SFT")}, "chosen": {}}
@@ -728,18 +743,6 @@ def _parameters(model: Path) -> int:
                     n *= d
                 total += n
     return total
-
-
-async def _training_run(settings: Settings, job: str) -> uuid.UUID:
-    from service import rl
-    from service.store.db import make_async_engine
-
-    engine = make_async_engine(settings.resolved_database_url)
-    try:
-        run = await rl.find_job(engine, job)
-    finally:
-        await engine.dispose()
-    return run.id
 
 
 async def _screenshot(settings: Settings, run_id: uuid.UUID, root: Path, port: int) -> Path | None:
@@ -886,13 +889,20 @@ def target_verdict(evals: dict) -> str:
 
 
 def write_results(path: Path, out: dict, cmd: str) -> None:
-    """The "demo learn" section of bench/RESULTS.md, replaced if there is one."""
+    """This demo's section of a results file (bench/RESULTS.md): where a section carries the
+    demo's id (results.json's, kept when it resumes) it is replaced; otherwise the section goes
+    before the file's first, newest first, and every other section, hand-written or another
+    demo's, stays as it was."""
     text = path.read_text() if path.exists() else ""
-    section = results_section(out, cmd)
-    start = text.find("## demo learn")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
+    marker = f"<!-- swerve demo learn {out['id']} -->" if out.get("id") else None
+    section = results_section(out, cmd).rstrip("\n") + (f"\n\n{marker}" if marker else "") + "\n"
+    mine = text.find(marker) if marker else -1
+    if mine >= 0:
+        start = text.rfind("\n## ", 0, mine) + 1
+        end = text.find("\n## ", mine)
+        text = text[:start] + section + ("\n" + text[end + 1:] if end >= 0 else "")
+    elif (first := text.find("\n## ")) >= 0:
+        text = text[:first + 1] + section + "\n" + text[first + 1:]
     else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + text[end + 1:] if end >= 0 else "")
+        text = text.rstrip("\n") + ("\n\n" if text.strip() else "") + section
     path.write_text(text)

@@ -75,6 +75,7 @@ def test_demo_learn_quick_runs_every_stage(tmp_path):
     # the section went into the results file, next to what was there
     text = results.read_text()
     assert "## other\n\nkept" in text and "## demo learn" in text and "swerve demo learn --quick --seed 3" in text
+    assert text.count(f"<!-- swerve demo learn {out['id']} -->") == 1  # its own, replaced at each stage
     for row in ("| before SFT |", "| after SFT |", "| after RL |", "| SFT continued |", "| after RL - after SFT |",
                 "| after RL - SFT continued |"):
         assert row in text

@@ -47,19 +47,33 @@ def test_a_demo_resumes_only_the_same_unfinished_plan(tmp_path):
     again = _resumable(path, replace(LearnPlan(), eval_temperature=0.25))
     assert [st["name"] for st in again["stages"]] == ["generate", "SFT", "RL"]
     assert again["evals"] == {} and again["rl_job"] == "demo-learn-s0" and again["wall_s"] == 6.0
+    # other SFT settings: the tasks, the model, its evaluation and the demonstrations stand
+    stages = [{"name": n, "wall_s": 2.0, "detail": {}} for n in ("generate", "model", "evaluate before SFT",
+                                                                  "demonstrations", "SFT", "evaluate after SFT", "RL")]
+    path.write_text(json.dumps(saved | {"stages": stages, "evals": {"before SFT": {}, "after SFT": {}, "after RL": {}},
+                                        "rl_job": "demo-learn-s0", "chosen": {"after RL": {"version": 5}},
+                                        "complete": True}))
+    sft = _resumable(path, replace(LearnPlan(), sft_decay_steps=100, rl_lr=1e-5))
+    assert [st["name"] for st in sft["stages"]] == ["generate", "model", "evaluate before SFT", "demonstrations"]
+    assert sft["evals"] == {"before SFT": {}} and sft["chosen"] == {} and sft["rl_job"] is None
+    assert sft["wall_s"] == 8.0
     path.write_text(json.dumps(saved))
     del saved["plan"]["train_names"]  # written before the field existed, when every train name came from the pools
     path.write_text(json.dumps(saved))
     pools = replace(LearnPlan(), train_names="pools")
     assert _resumable(path, pools)["evals"] == {"before SFT": {}}
     assert _resumable(path, LearnPlan()) is None  # generated names now: not what that demo ran
-    assert _resumable(path, replace(pools, sft_lr=1e-3)) is None
+    assert _resumable(path, replace(pools, train_names="generated", sft_lr=1e-3)) is None  # other tasks: afresh
     path.write_text(json.dumps(saved | {"complete": True}))
     assert _resumable(path, pools) is None
     assert _resumable(path, replace(pools, eval_temperature=0.25))["evals"] == {}  # finished: re-evaluated
 
 
-def test_the_section_is_replaced_and_the_next_one_keeps_its_blank_line(tmp_path):
+def test_a_demo_replaces_its_own_section_and_no_other(tmp_path):
+    """A demo's section goes before the file's first (newest first), marked with the demo's id;
+    written again (a later stage, a resumed demo) it replaces that section only: a hand-written
+    section of another run, a demo section without a mark, the text around them stay byte for
+    byte."""
     import json
 
     from service.demo import write_results
@@ -70,11 +84,24 @@ def test_the_section_is_replaced_and_the_next_one_keeps_its_blank_line(tmp_path)
         "machine": {"cores": 2, "cpu": "x"}, "wall_s": 60.0, "parameters": 1e6, "pretrain": None, "evals": {},
         "stages": [], "rl_run_id": None}))
     path = tmp_path / "RESULTS.md"
-    path.write_text("# Results\n\n## demo learn (old)\n\nold figures\n\n## Copy probe\n\ntext\n")
-    write_results(path, out, "swerve demo learn --seed 0")
-    text = path.read_text()
-    assert "old figures" not in text and text.count("## demo learn") == 1
-    assert "\n\n## Copy probe\n\ntext\n" in text and not text.split("## Copy probe")[0].endswith("\n\n\n")
+    before = "## demo learn (old)\n\nold figures\n\n## Copy probe\n\ntext\n"
+    path.write_text("# Results\n\npreamble\n\n" + before)
+    write_results(path, out | {"id": "a1"}, "swerve demo learn --seed 0")
+    first = path.read_text()
+    assert first.startswith("# Results\n\npreamble\n\n## demo learn (`swerve demo learn`)") and first.endswith(before)
+    assert first.count("<!-- swerve demo learn a1 -->") == 1 and first.count("## demo learn") == 2
+    assert "\n\n\n" not in first
+    write_results(path, out | {"id": "a1", "wall_s": 120.0}, "swerve demo learn --seed 0")  # later: replaced
+    again = path.read_text()
+    assert "1.0 min in all" in first and again == first.replace("1.0 min in all", "2.0 min in all")
+    assert again != first and again.count("## demo learn") == 2 and again.endswith(before)
+    write_results(path, out | {"id": "b2"}, "swerve demo learn --seed 1")  # another demo: a section of its own
+    third = path.read_text()
+    assert third.count("## demo learn") == 3 and third.endswith(again.split("preamble\n\n", 1)[1])
+    assert third.index("b2 -->") < third.index("a1 -->")
+    empty = tmp_path / "NEW.md"
+    write_results(empty, out | {"id": "c3"}, "swerve demo learn --seed 0")
+    assert empty.read_text().startswith("## demo learn") and empty.read_text().endswith("c3 -->\n")
 
 
 def test_the_rl_job_samples_at_its_temperature_and_evaluates_at_the_evaluations(tmp_path):
