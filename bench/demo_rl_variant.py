@@ -84,7 +84,7 @@ async def main(args) -> None:
         raise SystemExit(f"{source}: the demo there has not evaluated its SFT checkpoint yet")
     plan = demo.LearnPlan(seed=saved["plan"]["seed"])
     now = json.loads(json.dumps(asdict(plan)))  # a field added since counts at its default
-    if {k: saved["plan"].get(k, v) for k, v in now.items()} != now or set(saved["plan"]) - set(now):
+    if {k: saved["plan"].get(k, demo._AS_BEFORE.get(k, v)) for k, v in now.items()} != now or set(saved["plan"]) - set(now):
         raise SystemExit(f"{source}: that demo ran another plan than this code's default; run the variant from "
                          "the code that made it")
     changes = parse_sets(args.set, plan)
