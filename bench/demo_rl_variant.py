@@ -83,8 +83,9 @@ async def main(args) -> None:
     if not saved.get("complete") and "evaluate after SFT" not in {s["name"] for s in saved["stages"]}:
         raise SystemExit(f"{source}: the demo there has not evaluated its SFT checkpoint yet")
     plan = demo.LearnPlan(seed=saved["plan"]["seed"])
-    now = json.loads(json.dumps(asdict(plan)))  # a field added since counts at its default
-    if {k: saved["plan"].get(k, demo._AS_BEFORE.get(k, v)) for k, v in now.items()} != now or set(saved["plan"]) - set(now):
+    now = json.loads(json.dumps(asdict(plan)))
+    ran = {k: saved["plan"].get(k, demo._AS_BEFORE.get(k, v)) for k, v in now.items()}  # a field it lacks: as before
+    if ran != now or set(saved["plan"]) - set(now):
         raise SystemExit(f"{source}: that demo ran another plan than this code's default; run the variant from "
                          "the code that made it")
     changes = parse_sets(args.set, plan)
@@ -130,7 +131,8 @@ async def main(args) -> None:
     print("| policy | held-out pass@1 (95% CI) | pass@k | format errors | held-out templates pass@1 | wall |")
     print("|---|---|---|---|---|---|")
     walls = {s["name"]: s["wall_s"] for s in out["stages"]}
-    rows = [(f"after SFT ({label})" if sft else "after SFT", out["evals"]["after SFT"], walls.get("SFT") if sft else None)]
+    rows = [(f"after SFT ({label})", out["evals"]["after SFT"], walls.get("SFT")) if sft else
+            ("after SFT", out["evals"]["after SFT"], None)]
     if sft:
         rows.append(("after SFT (the demo's)", saved["evals"]["after SFT"],
                      next((s["wall_s"] for s in saved["stages"] if s["name"] == "SFT"), None)))

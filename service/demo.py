@@ -911,8 +911,9 @@ def write_results(path: Path, out: dict, cmd: str) -> None:
         start = text.rfind("\n## ", 0, mine) + 1
         end = text.find("\n## ", mine)
         text = text[:start] + section + ("\n" + text[end + 1:] if end >= 0 else "")
-    elif (first := text.find("\n## ")) >= 0:
-        text = text[:first + 1] + section + "\n" + text[first + 1:]
+    elif text.startswith("## ") or "\n## " in text:
+        first = 0 if text.startswith("## ") else text.index("\n## ") + 1
+        text = text[:first] + section + "\n" + text[first:]
     else:
         text = text.rstrip("\n") + ("\n\n" if text.strip() else "") + section
     path.write_text(text)

@@ -99,6 +99,10 @@ def test_a_demo_replaces_its_own_section_and_no_other(tmp_path):
     third = path.read_text()
     assert third.count("## demo learn") == 3 and third.endswith(again.split("preamble\n\n", 1)[1])
     assert third.index("b2 -->") < third.index("a1 -->")
+    bare = tmp_path / "BARE.md"  # a file that starts with its first section
+    bare.write_text("## Copy probe\n\ntext\n")
+    write_results(bare, out | {"id": "d4"}, "swerve demo learn --seed 0")
+    assert bare.read_text().startswith("## demo learn") and bare.read_text().endswith("d4 -->\n\n## Copy probe\n\ntext\n")
     empty = tmp_path / "NEW.md"
     write_results(empty, out | {"id": "c3"}, "swerve demo learn --seed 0")
     assert empty.read_text().startswith("## demo learn") and empty.read_text().endswith("c3 -->\n")
