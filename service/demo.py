@@ -125,7 +125,9 @@ class LearnPlan:
     (paired +0.115, +0.059 to +0.180; 16 tasks better, 1 worse), and on the AVX-512 path
     it gave 0.443 (0.401-0.487) where seed 0 had scored 0.344 (0.304-0.386) at a constant rate
     (bench/demo_rl_variant.py --set sft_decay_steps=150 --until SFT, AMD EPYC,
-    2026-12-06)."""
+    2026-12-06). The first demo from the decayed checkpoint (that AVX-512 one, 0.443): RL added
+    0.8 points (paired -3.7 to +5.1) while its validation rose 0.414 to 0.516; SFT continued's
+    choice was its start, every later version below it (bench/RESULTS.md, 2026-12-06 midday)."""
     rl_steps: int = 40
     """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 40 steps of 16
     groups draw each of the 640 train tasks not demonstrated once. With vLLM's CPU server running
