@@ -363,6 +363,116 @@ async def test_a_turn_twice_in_one_batch_is_stored_once_and_the_second_is_a_repe
         await engine.dispose()
 
 
+async def test_lingering_turns_wait_for_each_other_and_go_when_hurried(migrated_pg_url):
+    """Turns appended with a linger one after another (episodes whose model calls end at
+    different times) go in one batch; a turn appended without one, or hurry_turns, sends what
+    lingers at once; a lingering write still learns its own fate (stored, or Superseded)."""
+    from service.store.buffer import _TurnWriter
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url, pool_size=2)
+    try:
+        buffer = Buffer(engine)
+        episodes = [e for _, es in await make_groups(engine, 3, size=2) for e in es]
+        batches = []
+        store = _TurnWriter._store
+
+        async def counted(self, rows):
+            batches.append(sorted(row["idx"] for row, _ in rows))
+            return await store(self, rows)
+
+        _TurnWriter._store = counted
+        try:
+            loop = asyncio.get_running_loop()
+
+            async def staggered(first, linger_s, last=None):  # four turns 20 ms apart, then `last`
+                writes = []
+                for i, e in enumerate(episodes[:4]):
+                    writes.append(asyncio.ensure_future(
+                        buffer.append_turn(e, turn(first + i), attempt=0, linger_s=linger_s)))
+                    await asyncio.sleep(0.02)
+                if last is not None:
+                    await last()
+                started = loop.time()
+                outcomes = await asyncio.gather(*writes, return_exceptions=True)
+                return outcomes, loop.time() - started
+
+            outcomes, _ = await staggered(0, 5.0, lambda: buffer.append_turn(episodes[4], turn(4), attempt=0))
+            assert outcomes == [None] * 4 and batches == [[0, 1, 2, 3, 4]]  # the turn without a linger sent them
+
+            batches.clear()
+            outcomes, waited = await staggered(10, 0.3)
+            assert outcomes == [None] * 4 and batches == [[10, 11, 12, 13]] and waited < 0.3
+
+            batches.clear()
+            async with engine.begin() as conn:  # the first episode's attempt moves on under its worker
+                await conn.execute(sa.update(Episode).where(Episode.id == episodes[0]).values(attempt=1))
+
+            async def hurried():
+                buffer.hurry_turns()
+
+            outcomes, waited = await staggered(20, 5.0, hurried)
+            assert isinstance(outcomes[0], Superseded) and outcomes[1:] == [None] * 3
+            assert batches == [[20, 21, 22, 23]] and waited < 1.0
+        finally:
+            _TurnWriter._store = store
+        async with engine.connect() as conn:
+            counts = dict((await conn.execute(sa.select(Turn.episode_id, sa.func.count()).group_by(Turn.episode_id))).all())
+        assert [counts.get(e, 0) for e in episodes] == [2, 3, 3, 3, 1, 0]
+    finally:
+        await engine.dispose()
+
+
+async def test_a_worker_episode_writes_its_turns_behind_its_loop_and_learns_their_fate(migrated_pg_url):
+    """DbTurnSink: append hands a turn over and returns before it is written; the write's
+    outcome is raised by the next append or by close (a fenced-off attempt's Superseded), and
+    after close every turn is stored, so the episode's end finds them all."""
+    from service.worker.executor import DbTurnSink
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url, pool_size=2)
+    try:
+        buffer = Buffer(engine)
+        (_, (a, b)), = await make_groups(engine, 1, size=2)
+
+        async def stored(e):
+            async with engine.connect() as conn:
+                return await conn.scalar(sa.select(sa.func.count()).select_from(Turn).where(Turn.episode_id == e))
+
+        sink = DbTurnSink(buffer, a, attempt=0, linger_s=5.0)
+        for i in range(3):
+            await sink.append(turn(i))  # each append waits for the previous turn's write, hurried
+            assert await stored(a) == i
+        await sink.close()
+        assert await stored(a) == 3
+        assert await buffer.finish_episode(a, status="submitted", n_turns=3, attempt=0)
+
+        sink = DbTurnSink(buffer, b, attempt=0, linger_s=5.0)
+        await sink.append(turn(0))
+        assert await stored(b) == 0  # handed over, lingering
+        async with engine.begin() as conn:  # a newer attempt takes the episode over
+            await conn.execute(sa.update(Episode).where(Episode.id == b).values(attempt=1))
+        with pytest.raises(Superseded):  # turn 0's fate, raised by the next append
+            await sink.append(turn(1))
+        assert sink.writing is None and await stored(b) == 0
+
+        sink = DbTurnSink(buffer, b, attempt=1, linger_s=5.0)
+        await sink.append(turn(0))
+        await sink.append(turn(1))
+        async with engine.begin() as conn:
+            await conn.execute(sa.update(Episode).where(Episode.id == b).values(attempt=2))
+        with pytest.raises(Superseded):  # turn 1's, raised by close
+            await sink.close()
+        assert await stored(b) == 1
+        await sink.append(turn(2))
+        await sink.abandon()  # the last write is awaited, its Superseded dropped
+        assert sink.writing is None and await stored(b) == 1
+    finally:
+        await engine.dispose()
+
+
 async def test_the_turns_copy_stream_parses_the_same_however_it_is_cut(migrated_pg_url):
     """The PostgreSQL read path parses the binary COPY itself, row by row as it streams: the
     same rows whatever the chunk boundaries (psycopg hands one message per row; a row split
