@@ -208,6 +208,11 @@ class LearnPlan:
     (bench/rl.py: 99% of a warm asynchronous step training), so a step that trains on half
     the samples leaves time for more steps within the job's limit."""
     rl_kl_coef: float = 0.01
+    rl_normalize: str = "token"
+    """The RL loss's normalisation (trainer LossConfig.normalize): "token", the mean over the
+    trained samples' tokens, gives a step with one useful group of sixteen as large an update as
+    one with nine; "batch" divides by every token the step's groups sampled, so such a step
+    moves the policy a ninth as far. Not yet measured in the demo."""
     rl_fill_useful: bool = False
     """True: a step waits for groups_per_step groups that teach something (DAPO's dynamic
     sampling); False: it takes the next groups whatever they teach (groups without a reward
@@ -364,7 +369,8 @@ def rl_config(plan: LearnPlan, name: str, train: Path, train_ids: list[str], hel
                                "sampling": {"max_tokens": plan.max_tokens, "temperature": plan.rl_temperature}}},
         "trainer": {"nproc": 1, "fill_useful": plan.rl_fill_useful, "checkpoint_every": max(1, plan.rl_steps // 4),
                     "optim": {"lr": plan.rl_lr, "warmup_steps": plan.rl_warmup_steps},
-                    "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef},
+                    "loss": {"ratio_low": 0.5, "ratio_high": 2.0, "kl_coef": plan.rl_kl_coef,
+                             "normalize": plan.rl_normalize},
                     "data": {"seq_len": plan.seq_len, "negative_scale": plan.rl_negative_scale,
                              "credit_malformed": plan.rl_credit_malformed,
                              "format_weight": plan.rl_format_weight, "skip_zero": plan.rl_skip_zero,

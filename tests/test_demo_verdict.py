@@ -117,7 +117,7 @@ def test_the_rl_job_samples_at_its_temperature_and_evaluates_at_the_evaluations(
 
     from service.demo import LearnPlan, _resumable, rl_config
 
-    plan = replace(LearnPlan(), rl_temperature=0.7, eval_temperature=0.5, rl_format_weight=0.2)
+    plan = replace(LearnPlan(), rl_temperature=0.7, eval_temperature=0.5, rl_format_weight=0.2, rl_normalize="batch")
     cfg = rl_config(plan, "job", tmp_path / "train.jsonl", [f"t{i}" for i in range(plan.demos + 8)],
                     tmp_path / "heldout.jsonl", ["h0", "h1"], tmp_path / "model", "http://127.0.0.1:1", 8030)
     assert cfg["rollouts"]["agent"]["sampling"]["temperature"] == 0.7
@@ -129,6 +129,7 @@ def test_the_rl_job_samples_at_its_temperature_and_evaluates_at_the_evaluations(
 
     trainer = trainer_config(RLConfig.model_validate(cfg), tmp_path, tmp_path, ["http://127.0.0.1:1"], uuid.uuid4())
     assert trainer["data"]["format_weight"] == plan.rl_format_weight > 0  # the trainer's own check took it
+    assert trainer["loss"]["normalize"] == "batch"
     old = asdict(LearnPlan()) | {"temperature": 1.0}
     del old["rl_temperature"]
     path = tmp_path / "results.json"

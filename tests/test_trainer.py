@@ -232,6 +232,27 @@ def test_golden_loss(tiny):
     assert metrics["grad_norm"] == pytest.approx(GOLDEN["grad_norm"], abs=1e-5)
 
 
+def test_batch_normalisation_counts_the_samples_the_step_leaves_out(tiny):
+    """normalize "batch" under skip_zero: the golden group trains one sample of three (advantages
+    0.5, 0 and 0 with positive updates only), and its loss and gradient are a third of "token"'s,
+    which divides by the trained sample's tokens alone."""
+    from trainer.config import TrainerConfig
+    from trainer.train import Trainer
+
+    def step(normalize):
+        cfg = {**GOLDEN_CONFIG, "data": {**GOLDEN_CONFIG["data"], "negative_scale": 0.0, "skip_zero": True},
+               "loss": {**GOLDEN_CONFIG["loss"], "normalize": normalize}}
+        trainer = Trainer(TrainerConfig(model=tiny["dense"], out_dir=Path("/nonexistent"), device="cpu", **cfg))
+        batch = trainer.prepare([golden_group()])
+        return batch, trainer.train_batch(batch)
+
+    (token_batch, token), (batch_batch, batch) = step("token"), step("batch")
+    assert token_batch.n_tokens == batch_batch.n_tokens == 15 and token_batch.norm_tokens == 15
+    assert batch_batch.norm_tokens == GOLDEN["sampled_tokens"] == 45
+    assert batch["loss"] == pytest.approx(token["loss"] / 3, rel=1e-5)
+    assert batch["grad_norm"] == pytest.approx(token["grad_norm"] / 3, rel=1e-4)
+
+
 async def test_a_trainer_killed_after_committing_resumes_without_losing_or_reusing_groups(db_url, tiny, tmp_path):
     """Kill at the worst moment (step 2's groups committed, no checkpoint of step 2 yet):
     resuming puts those groups back, withdraws what step 2 published and redoes it; the result

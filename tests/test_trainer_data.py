@@ -122,6 +122,8 @@ def test_skip_zero_trains_only_the_samples_that_teach():
     assert (stats.episodes, stats.skipped_episodes, stats.zero_advantage_groups) == (4, 4, 1)
     assert (every_stats.episodes, every_stats.skipped_episodes) == (8, 0)
     assert stats.rewards == every_stats.rewards and stats.advantages == every_stats.advantages
+    # every sampled token of the rewarded episodes, taught or not, groups without a spread too
+    assert stats.sampled_tokens == every_stats.sampled_tokens == 2 * 10
     both, _ = sequences_from_groups([group([1, 0])], DataConfig(negative_scale=0.5, skip_zero=True))
     assert [s.advantage for s in both] == [0.5, -0.25]  # a scaled-down failure still teaches
 

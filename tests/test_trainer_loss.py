@@ -69,6 +69,22 @@ def test_loss_and_gradient_match_the_formula(cfg):
     torch.testing.assert_close(logp.grad, grads.float(), rtol=1e-5, atol=1e-7)
 
 
+def test_batch_normalisation_divides_by_every_token_the_groups_sampled():
+    """"batch": the token sum over the step's whole sample count, untrained samples included, so
+    half the samples teaching gives half the step "token" would; alone it is "token"."""
+    logp, logp_inf, adv, mask, seq_ids = make(2)
+    token = policy_loss(logp, logp_inf, adv, mask, LossConfig(), seq_ids)
+    token.loss.backward()
+    token_grad, logp.grad = logp.grad.clone(), None
+    n = int(mask.sum())
+    out = policy_loss(logp, logp_inf, adv, mask, LossConfig(normalize="batch"), seq_ids, total_tokens=2 * n)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(token.loss.item() / 2, rel=1e-6)
+    torch.testing.assert_close(logp.grad, token_grad / 2)
+    alone = policy_loss(logp, logp_inf, adv, mask, LossConfig(normalize="batch"), seq_ids)
+    assert alone.loss.item() == pytest.approx(token.loss.item(), rel=1e-6)
+
+
 def test_metrics():
     logp, logp_inf, adv, mask, seq_ids = make(1)
     out = policy_loss(logp, logp_inf, adv, mask, LossConfig(ratio_low=0.8, ratio_high=1.25), seq_ids)

@@ -97,6 +97,7 @@ class BatchStats:
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     truncated_tokens: int = 0
+    sampled_tokens: int = 0  # every sampled token of the groups' rewarded episodes, trained or not
 
 
 def group_advantages(rewards: list[float], cfg: DataConfig) -> np.ndarray:
@@ -186,6 +187,7 @@ def sequences_from_groups(groups, cfg: DataConfig) -> tuple[list[Sequence], Batc
         rewarded = [e for e in group.episodes if e.reward is not None and e.turns]
         stats.excluded_episodes += len(group.episodes) - len(rewarded)
         stats.rewards += [float(e.reward) for e in rewarded]
+        stats.sampled_tokens += sum(len(t.output_ids) for e in rewarded for t in e.turns)
         useful = group_advantages_of(group, cfg)
         if useful is None:
             stats.zero_advantage_groups += 1

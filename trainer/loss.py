@@ -11,7 +11,9 @@ gradient), the sampler's `logp_inf` and the sequence's advantage A:
 where s = logp - stopgrad(logp) + 1 is 1 in value and d logp in gradient, so loss_t's value is
 the weighted advantage and its gradient is the IS policy gradient. Normalisation: "token" sums
 over kept tokens and divides by all sampled tokens of the batch; "sequence" does that per
-sequence, then averages sequences. Masked tokens count in the denominator (they are dropped,
+sequence, then averages sequences; "batch" divides the sum by every token the step's groups
+sampled, the samples left out of the batch included (the trainer passes that count as
+total_tokens). Masked tokens count in the denominator (they are dropped,
 not re-weighted), so masking shrinks the step instead of amplifying the rest.
 """
 
@@ -35,7 +37,13 @@ class LossConfig(BaseModel):
     """Truncate the importance weight at this value (None: no truncation)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the log(r)^2 penalty."""
-    normalize: Literal["token", "sequence"] = "token"
+    normalize: Literal["token", "sequence", "batch"] = "token"
+    """"token": the mean over the batch's sampled tokens; "sequence": over its sequences' means;
+    "batch": the sum over the batch's tokens divided by all the tokens its groups sampled,
+    those of samples not trained on included (zero advantage under DataConfig.skip_zero, groups
+    without a reward spread): a step whose groups teach little moves the policy little, where
+    "token" scales one useful group's gradient as large as sixteen's (Dr. GRPO's fixed
+    normaliser, in the step's own tokens)."""
 
     @model_validator(mode="after")
     def _region(self) -> LossConfig:
@@ -69,7 +77,7 @@ def policy_loss(logp: torch.Tensor, logp_inf: torch.Tensor, advantages: torch.Te
     per_token = -weight * advantages * surrogate + cfg.kl_coef * log_ratio**2
     per_token = torch.where(kept, per_token, torch.zeros_like(per_token))
     n_sampled = mask.sum()
-    if cfg.normalize == "token":
+    if cfg.normalize in ("token", "batch"):
         loss = per_token.sum() / (total_tokens if total_tokens else n_sampled.clamp(min=1))
     else:
         if seq_ids is None:

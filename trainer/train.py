@@ -51,6 +51,9 @@ class Batch:
     truncated: int
     n_tokens: int
     n_seqs: int
+    norm_tokens: int = 0
+    """The loss's denominator (LossConfig.normalize "batch": every token the groups sampled;
+    else n_tokens); 0: n_tokens."""
 
 
 @dataclass
@@ -267,7 +270,8 @@ class Trainer:
         rows, truncated = pack(sequences, self.cfg.data.seq_len)
         n_tokens = int(sum(r.loss_mask.sum() for r in rows))
         n_seqs = len({(i, sid) for i, r in enumerate(rows) for sid in set(r.seq_ids[r.loss_mask].tolist())})
-        return Batch(rows, stats, truncated, n_tokens, n_seqs)
+        norm = max(stats.sampled_tokens, n_tokens) if self.cfg.loss.normalize == "batch" else n_tokens
+        return Batch(rows, stats, truncated, n_tokens, n_seqs, norm)
 
     async def commit(self, claims: list[Claim]) -> str | None:
         """The claims consumed by the step that makes version step+1; if a lease ran out, why
@@ -318,7 +322,7 @@ class Trainer:
         # SFT: no sampler to correct for (scripted "samples" carry logprob 0): ratio 1, plain NLL
         inf = logp.detach() if cfg.sft else t["inf_logprobs"]
         out = policy_loss(logp, inf, t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
-                          total_tokens=batch.n_tokens, total_sequences=batch.n_seqs)
+                          total_tokens=batch.norm_tokens or batch.n_tokens, total_sequences=batch.n_seqs)
         out.loss.backward()
         weight = out.metrics["sampled_tokens"] / max(batch.n_tokens, 1)
         sampled = t["loss_mask"]
