@@ -127,7 +127,10 @@ class LearnPlan:
     (bench/demo_rl_variant.py --set sft_decay_steps=150 --until SFT, AMD EPYC,
     2026-12-06). The first demo from the decayed checkpoint (that AVX-512 one, 0.443): RL added
     0.8 points (paired -3.7 to +5.1) while its validation rose 0.414 to 0.516; SFT continued's
-    choice was its start, every later version below it (bench/RESULTS.md, 2026-12-06 midday)."""
+    choice was its start, every later version below it (bench/RESULTS.md, 2026-12-06 midday).
+    The second (seed 1, an Intel Xeon): after SFT 0.316 (0.320 at a constant rate on a Xeon the
+    day before), after RL 0.391 (paired +0.008 to +0.148), format errors 0.140 to 0.133, SFT
+    continued's choice again its start (2026-12-06 afternoon)."""
     rl_steps: int = 40
     """As many as fit: the job ends at rl_time_limit_s when its steps take longer. 40 steps of 16
     groups draw each of the 640 train tasks not demonstrated once. With vLLM's CPU server running
