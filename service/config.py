@@ -73,11 +73,6 @@ class Settings(BaseSettings):
     """Folders a run's `sampler.tokenizer` may come from besides the models folder,
     comma-separated (in local mode too). Outside them only the folder the run's own endpoints
     serve (vLLM's `root` in /v1/models) is taken."""
-    turn_linger_s: float = Field(0.1, ge=0, le=5, allow_inf_nan=False)
-    """How long a worker's turn write (on PostgreSQL) may wait for the turns of its other
-    episodes to go in one batch with it. The agent loop does not wait for it: the write runs
-    beside the next model call, and an episode's last one is sent at once. 0: each goes when
-    it comes."""
     admission_probe_timeout_s: float = Field(5.0, gt=0, le=60)
     """How long run admission waits for an endpoint's /v1/models when the tokenizer is outside
     the model folders."""

@@ -66,15 +66,6 @@ def test_blobs_are_compact():
     assert len(encode_ids(ids)) < 131_072 * 4 // 2  # compressed below raw int32
 
 
-def test_a_turns_ids_go_raw_and_a_long_prompts_compressed():
-    from service.store.records import COMPRESS_IDS_FROM
-
-    for n, codec in ((COMPRESS_IDS_FROM - 1, 0), (COMPRESS_IDS_FROM, 1)):
-        ids = [i % 7 for i in range(n)]
-        blob = encode_ids(ids)
-        assert blob[5] == codec and decode_array(blob).tolist() == ids  # the header's codec byte
-
-
 @pytest.mark.parametrize("blob", [b"", b"[1, 2, 3]", b"SWA\x01i\x09\x01\x00\x00\x00\x00\x00",
                                   encode_ids([1, 2, 3])[:-3]])
 def test_foreign_or_damaged_blobs_are_refused(blob):

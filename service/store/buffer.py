@@ -323,7 +323,6 @@ class _TurnWriter:
         self.drainer: asyncio.Task | None = None
         self.raw = None  # its psycopg.AsyncConnection, opened by the first batch
         self.retired = False  # no longer its engine's (disposed, or moved to another loop): closes once drained
-        self.lingering: asyncio.Event | None = None  # while the drainer waits for more turns: set to end the wait
 
     @classmethod
     def of(cls, engine: AsyncEngine) -> _TurnWriter:
@@ -365,35 +364,17 @@ class _TurnWriter:
             self.raw = raw
         return self.raw
 
-    async def append(self, row: dict, attempt: int | None, linger_s: float = 0.0) -> bool:
-        """Whether the turn was stored (False: a repeat, or `attempt` is not the running one).
-        With linger_s, a turn that finds no write in flight waits up to that long for others to
-        go in its batch: for callers that do not wait on the write (DbTurnSink). A turn without
-        it, a full batch, or hurry() ends the wait."""
+    async def append(self, row: dict, attempt: int | None) -> bool:
+        """Whether the turn was stored (False: a repeat, or `attempt` is not the running one)."""
         done = self.loop.create_future()
         self.queue.append((row, attempt, done))
         if self.drainer is None:
-            self.drainer = asyncio.create_task(self._drain(linger_s))
-        elif not linger_s or len(self.queue) >= self.MAX_ROWS:
-            self.hurry()
+            self.drainer = asyncio.create_task(self._drain())
         return await done
 
-    def hurry(self) -> None:
-        """The turns waiting for others to join their batch go now."""
-        if self.lingering is not None:
-            self.lingering.set()
-
-    async def _drain(self, linger_s: float = 0.0) -> None:
+    async def _drain(self) -> None:
         batch = []
         try:
-            if linger_s > 0:
-                self.lingering = wake = asyncio.Event()
-                timer = self.loop.call_later(linger_s, wake.set)
-                try:
-                    await wake.wait()
-                finally:
-                    timer.cancel()
-                    self.lingering = None
             while self.queue:
                 batch, size = [], 0
                 while self.queue and len(batch) < self.MAX_ROWS and (not batch or size < self.MAX_BYTES):
@@ -521,13 +502,10 @@ class Buffer:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
-    async def append_turn(self, episode_id: uuid.UUID, turn: TurnRecord, attempt: int | None = None, *,
-                          linger_s: float = 0.0) -> None:
+    async def append_turn(self, episode_id: uuid.UUID, turn: TurnRecord, attempt: int | None = None) -> None:
         """Store one finished turn; a repeat of the same (episode, idx) is ignored. With
         `attempt`, raise Superseded (storing nothing) unless that attempt is the running one.
-        Raises StorageError if the database refuses the turn. With linger_s (PostgreSQL), the
-        write may wait up to that long for the turns other episodes of this process append, to
-        go in one batch with them (hurry_turns ends the wait)."""
+        Raises StorageError if the database refuses the turn."""
         row = {
             "episode_id": episode_id, "idx": turn.idx, "segment": turn.segment,
             "input_ids": encode_ids(turn.input_ids), "output_ids": encode_ids(turn.output_ids),
@@ -543,7 +521,7 @@ class Buffer:
         }  # fmt: skip
         with _refusals(f"turn {turn.idx} of episode {episode_id}"):
             if self.engine.dialect.name == "postgresql":
-                await self._append_pg(row, attempt, linger_s)
+                await self._append_pg(row, attempt)
                 return
             async with self.engine.begin() as conn:
                 if attempt is not None:
@@ -554,16 +532,10 @@ class Buffer:
                 stmt = _insert(conn)(Turn).values(**row).on_conflict_do_nothing(index_elements=["episode_id", "idx"])
                 await conn.execute(stmt)
 
-    def hurry_turns(self) -> None:
-        """Turn writes waiting (linger_s) for others to join their batch go now."""
-        writer = getattr(self.engine.sync_engine, "_swerve_turn_writer", None)
-        if writer is not None and writer.loop is asyncio.get_running_loop():
-            writer.hurry()
-
-    async def _append_pg(self, row: dict, attempt: int | None, linger_s: float = 0.0) -> None:
+    async def _append_pg(self, row: dict, attempt: int | None) -> None:
         """The hot path: psycopg directly, binary arrays, batched with the turns other episodes
         of this process append at the same time (_TurnWriter)."""
-        stored = await _TurnWriter.of(self.engine).append(row, attempt, linger_s)
+        stored = await _TurnWriter.of(self.engine).append(row, attempt)
         if not stored and attempt is not None:  # a repeat of a stored turn, or a fenced-off attempt
             async with self.engine.connect() as conn:
                 current = await conn.scalar(sa.select(Episode.id).where(

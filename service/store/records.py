@@ -93,15 +93,8 @@ def decode_array(blob: bytes) -> np.ndarray:
     return np.frombuffer(payload, dtype=dt, offset=start).reshape(shape)
 
 
-COMPRESS_IDS_FROM = 1024
-"""Token ids are deflated from this many on: below it a deflate stream's set-up costs more than
-its bytes save (a turn of 327 ids: 18 us to deflate on the worker and 7 to inflate on the
-trainer's load, twice a turn, for 1,308 bytes down to 1,010; 2026-12-06); a long prompt's or an
-observation's ids go compressed."""
-
-
 def encode_ids(ids) -> bytes:
-    return encode_array(ids, "i", codec="zlib" if len(ids) >= COMPRESS_IDS_FROM else "raw")
+    return encode_array(ids, "i")
 
 
 def encode_logprobs(logprobs) -> bytes:

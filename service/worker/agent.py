@@ -256,7 +256,7 @@ async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cf
                 result.status = stop.status
         result.diff = await env.diff()
     except EPISODE_FAILURES as e:
-        fail(result, failure_status(e), e)
+        _failed(result, failure_status(e), e)
     return result
 
 
@@ -278,14 +278,6 @@ def _account(result: EpisodeResult, turn: TurnRecord) -> None:
     result.policy_version_max = max([result.policy_version_max, *versions], key=_none_low)
 
 
-def uncount(result: EpisodeResult, turn: TurnRecord) -> None:
-    """Take back a turn _account counted that the store refused (its sink learned of the refusal
-    after the loop went on: executor.DbTurnSink). Its policy versions stay in the bounds."""
-    result.n_turns -= 1
-    result.input_tokens -= len(turn.input_ids)
-    result.output_tokens -= len(turn.output_ids)
-
-
 def _none_high(v: int | None) -> float:
     return float("inf") if v is None else v
 
@@ -294,5 +286,5 @@ def _none_low(v: int | None) -> float:
     return float("-inf") if v is None else v
 
 
-def fail(result: EpisodeResult, status: EpisodeStatus, error: Exception) -> None:
+def _failed(result: EpisodeResult, status: EpisodeStatus, error: Exception) -> None:
     result.status, result.error_type, result.error_message = status, type(error).__name__, str(error)

@@ -23,9 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from envs.grading import RewardError
 from envs.swe_env import EXAMPLE_BUNDLES, SWEEnv, SWEEnvConfig, grade, task_sandbox
 from sandboxes.base import SandboxError
-from service.worker.agent import EpisodeResult, TokenRenderer, fail, failure_status, run_episode, uncount
+from service.worker.agent import EpisodeResult, TokenRenderer, failure_status, run_episode
 from service.store.buffer import Buffer, StorageError, Superseded, TurnsLost
-from service.store.records import TurnRecord
 from service.config import Settings
 from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_tokenizer
 from service.worker.scripted import demonstration, oracle, replay
@@ -38,55 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 class DbTurnSink:
-    """An episode's turns into the buffer, each written while the agent loop goes on to its next
-    model call: append hands the turn over, and the write's outcome (stored; Superseded; the
-    database's error once db_retry gives up) is raised by the next append or by close. One
-    write per episode in flight at most: an episode that outruns the database waits for it.
+    def __init__(self, buffer: Buffer, episode_id: uuid.UUID, attempt: int | None = None):
+        self.buffer, self.episode_id, self.attempt = buffer, episode_id, attempt
 
-    A write may wait up to linger_s for the turns the process's other episodes append, to go
-    in one batch with them (Buffer.append_turn): a batch of one turn cost the worker about
-    340 us of CPU a turn, batches of 16 to 64 90-130 (2026-12-06). A write that someone waits
-    on is hurried: the next turn's, when the model call took less than the linger, and the
-    episode's last, at close."""
-
-    def __init__(self, buffer: Buffer, episode_id: uuid.UUID, attempt: int | None = None, linger_s: float = 0.0):
-        self.buffer, self.episode_id, self.attempt, self.linger_s = buffer, episode_id, attempt, linger_s
-        self.writing: asyncio.Future | None = None
-        self.turn: TurnRecord | None = None  # the turn being written
-        self.refused: TurnRecord | None = None
-        """The turn whose write the database refused (StorageError): the agent loop counted it
-        when it handed it over, one turn before it learned its fate."""
-
-    async def append(self, turn: TurnRecord) -> None:
-        await self._settle()
-        self.turn = turn
-        self.writing = asyncio.ensure_future(db_retry(
-            lambda: self.buffer.append_turn(self.episode_id, turn, attempt=self.attempt, linger_s=self.linger_s),
-            f"turn {turn.idx} of episode {self.episode_id}"))
-
-    async def close(self) -> None:
-        """Wait for the last turn's write; raise what it raised."""
-        await self._settle()
-
-    async def abandon(self) -> None:
-        """Wait for the last turn's write, whatever it raised (the episode ends with an error
-        of its own)."""
-        try:
-            await self._settle()
-        except Exception:  # noqa: BLE001 - the episode's own error is the one raised
-            pass
-
-    async def _settle(self) -> None:
-        writing, self.writing = self.writing, None
-        if writing is None:
-            return
-        if not writing.done():
-            self.buffer.hurry_turns()
-        try:
-            await writing
-        except StorageError:
-            self.refused = self.turn
-            raise
+    async def append(self, turn) -> None:
+        await db_retry(lambda: self.buffer.append_turn(self.episode_id, turn, attempt=self.attempt),
+                       f"turn {turn.idx} of episode {self.episode_id}")
 
 
 _SCHEMA_ERRORS = ("no such table", "no such column", "has no column named")
@@ -177,7 +133,7 @@ async def _execute(engine: AsyncEngine, settings: Settings, episode_id: uuid.UUI
     try:
         task = task_from_row(task_row)  # a stored row that no longer validates ends the episode too
         result = await _supervised(engine, row.run_id, episode_id, attempt,
-                                   _run(cfg, task, env_cfg, buffer, episode_id, attempt, settings.turn_linger_s))
+                                   _run(cfg, task, env_cfg, buffer, episode_id, attempt))
         if result.status in GRADED and result.diff is not None:
             report = await grade(task, result.diff, env_cfg)
             fields = {"reward": report.reward(cfg.partial_credit), "report": report.to_json(), "graded_at": utcnow()}
@@ -305,41 +261,28 @@ class ConfigError(Exception):
 
 
 async def _run(cfg: RunConfig, task, env_cfg: SWEEnvConfig, buffer: Buffer, episode_id: uuid.UUID,
-               attempt: int, linger_s: float = 0.0) -> EpisodeResult:  # fmt: skip
+               attempt: int) -> EpisodeResult:  # fmt: skip
     try:
         tokenizer = load_tokenizer(str(cfg.sampler.tokenizer))
     except Exception as e:
         raise ConfigError(f"sampler.tokenizer: {cfg.sampler.tokenizer} cannot be loaded: "
                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else repr(e)}") from e
     renderer = _renderer(tokenizer)
-    sink = DbTurnSink(buffer, episode_id, attempt, linger_s)
-    try:
-        async with task_sandbox(task, env_cfg, episode=str(episode_id)) as sandbox:
-            env = SWEEnv(task, sandbox, env_cfg)
-            if cfg.sampler.type == "oracle":
-                result = await run_episode(oracle(tokenizer, task), env, renderer, cfg.agent, sink)
-            elif cfg.sampler.type == "demo":
-                result = await run_episode(demonstration(tokenizer, task), env, renderer, cfg.agent, sink)
-            elif cfg.sampler.type == "replay":
-                sampler = replay(tokenizer, cfg.sampler.calls, cfg.sampler.latency_s)
-                result = await run_episode(sampler, env, renderer, cfg.agent, sink)
-            else:
-                fleet = await shared_fleet(FleetConfig(endpoints=cfg.sampler.endpoints, model=cfg.sampler.model))
-                try:
-                    result = await run_episode(fleet, env, renderer, cfg.agent, sink, session=str(episode_id))
-                finally:
-                    fleet.end_session(str(episode_id))
-    except BaseException:  # stopped, or failed: the episode ends only after its last turn's write
-        await sink.abandon()
-        raise
-    try:
-        await sink.close()  # the episode's end counts its stored turns
-    except StorageError as e:  # the last turn's write was refused (an earlier one's ends the loop)
-        fail(result, failure_status(e), e)
-        result.diff = None
-    if sink.refused is not None:
-        uncount(result, sink.refused)
-    return result
+    sink = DbTurnSink(buffer, episode_id, attempt)
+    async with task_sandbox(task, env_cfg, episode=str(episode_id)) as sandbox:
+        env = SWEEnv(task, sandbox, env_cfg)
+        if cfg.sampler.type == "oracle":
+            return await run_episode(oracle(tokenizer, task), env, renderer, cfg.agent, sink)
+        if cfg.sampler.type == "demo":
+            return await run_episode(demonstration(tokenizer, task), env, renderer, cfg.agent, sink)
+        if cfg.sampler.type == "replay":
+            sampler = replay(tokenizer, cfg.sampler.calls, cfg.sampler.latency_s)
+            return await run_episode(sampler, env, renderer, cfg.agent, sink)
+        fleet = await shared_fleet(FleetConfig(endpoints=cfg.sampler.endpoints, model=cfg.sampler.model))
+        try:
+            return await run_episode(fleet, env, renderer, cfg.agent, sink, session=str(episode_id))
+        finally:
+            fleet.end_session(str(episode_id))
 
 
 def freeze_heap() -> None:
