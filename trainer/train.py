@@ -51,9 +51,9 @@ class Batch:
     truncated: int
     n_tokens: int
     n_seqs: int
-    norm_tokens: int = 0
+    norm_tokens: int
     """The loss's denominator (LossConfig.normalize "batch": every token the groups sampled;
-    else n_tokens); 0: n_tokens."""
+    else n_tokens)."""
 
 
 @dataclass
@@ -322,7 +322,7 @@ class Trainer:
         # SFT: no sampler to correct for (scripted "samples" carry logprob 0): ratio 1, plain NLL
         inf = logp.detach() if cfg.sft else t["inf_logprobs"]
         out = policy_loss(logp, inf, t["advantages"], t["loss_mask"], cfg.loss, t["seq_ids"],
-                          total_tokens=batch.norm_tokens or batch.n_tokens, total_sequences=batch.n_seqs)
+                          total_tokens=batch.norm_tokens, total_sequences=batch.n_seqs)
         out.loss.backward()
         weight = out.metrics["sampled_tokens"] / max(batch.n_tokens, 1)
         sampled = t["loss_mask"]
