@@ -225,7 +225,8 @@ def test_the_trained_rows_are_the_versions_the_validation_split_chose(tmp_path):
            "rl_run_id": None}
     text = results_section(out, "swerve demo learn")
     assert "| RL, last version | 0.250 (0.150-0.350) |" in text and "| 10.0 min |" in text
-    assert ("after RL: version 25 of the run's 40, chosen on the validation split (32 held-out-name tasks x 4, "
+    assert (f"after RL: version 25 of the run's 40, chosen on the validation split ({plan.n_validation} held-out-name "
+            f"tasks x {plan.rl_eval_samples}, "
             "none of the table's; pass@1 v0 0.500, v25 0.625, v40 0.500); its last version is the row "
             "\"RL, last version\".") in text
     assert "SFT continued: version 40 of the run's 40, chosen" in text
