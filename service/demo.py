@@ -228,7 +228,9 @@ class LearnPlan:
     moves the policy a ninth as far. From seed 1's decayed SFT checkpoint (0.316, an Intel Xeon,
     2026-12-06 afternoon) "batch" held out at 0.387 chosen and 0.408 last (format errors 0.119,
     0.093), "token" at 0.391 and 0.379 (0.133, 0.137): paired -0.004 (-0.053 to +0.041) on the
-    chosen rows. One run each: kept at "token" until more runs tell them apart."""
+    chosen rows. From the same seed's checkpoint read on 128 tasks (0.422; 2026-12-06 evening):
+    "batch" 0.473, "token" 0.471 (paired +0.002, -0.032 to +0.037). Two pairs, no difference in
+    pass@1: kept at "token"."""
     rl_fill_useful: bool = False
     """True: a step waits for groups_per_step groups that teach something (DAPO's dynamic
     sampling); False: it takes the next groups whatever they teach (groups without a reward
