@@ -186,15 +186,17 @@ class LearnPlan:
     Adam's first updates move every parameter by about lr: hence the lower rate and the warmup."""
     rl_warmup_steps: int = 3
     """The RL trainer's learning rate rises over its first steps (trainer optim.warmup_steps)."""
-    rl_decay_steps: int = 20
+    rl_decay_steps: int = 0
     """The RL trainer's learning rate falls linearly to 0 over the last rl_decay_steps of its
     rl_steps (trainer optim.decay_steps, ending at version rl_steps; at most rl_steps); 0: constant
-    to the end. Why: the RL job's versions at a constant rate end wherever their last noisy
-    updates left them: the RL rows' last versions held out 2 to 3.5 points below the versions
-    their validation chose (seed 1, 128 tasks: v20 0.471, v40 0.451; seed 0 on an AVX2 EPYC: v20
-    0.244, v32 0.209), and the validation split cannot tell such versions apart. SFT's decay over
-    its last 150 steps lifted its checkpoint by 11.5 points on the AVX2 path (sft_decay_steps).
-    A job the time limit ends before rl_steps ends partway down the decay."""
+    to the end. A job the time limit ends before rl_steps ends partway down the decay. Why it was
+    tried: the RL rows' last versions held out 2 to 3.5 points below the versions their validation
+    chose (seed 1, 128 tasks: v20 0.471, v40 0.451; seed 0 on an AVX2 EPYC: v20 0.244, v32 0.209),
+    and SFT's decay over its last 150 steps had lifted its checkpoint by 11.5 points on the AVX2
+    path (sft_decay_steps). Why it is off: the one demo with 20 (seed 1, an AVX2 EPYC, 2026-12-06
+    night; the time limit stopped the job at 31 steps, the rate at half) held its last version out
+    at 0.377, where SFT's checkpoint had scored 0.378, below the v10 its validation chose (0.416,
+    before the decay began): the decay kept none of RL's gain."""
     rl_negative_scale: float = 0.0
     """Advantages below zero scaled by this (0: learn only from samples better than their group)."""
     rl_credit_malformed: bool = False
