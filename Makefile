@@ -37,7 +37,7 @@ db: $(STAMP)
 run: db $(VLLM_STAMP)
 	$(BIN)/swerve rl --config envs/example_suite/rl.toml --serve.host=$(HOST) --serve.port=$(PORT)
 
-# The proof that it learns (about 1.7 hours on 2 cores): swerve demo learn; its figures go to bench/RESULTS.md.
+# The proof that it learns (1.7 to 2.1 hours on 2 cores): swerve demo learn; its figures go to bench/RESULTS.md.
 demo-learn: db $(VLLM_STAMP)
 	$(BIN)/swerve demo learn
 
