@@ -705,8 +705,7 @@ def _model(models: Path, plan: LearnPlan, console) -> Path:
 
 _AS_BEFORE = {"train_names": "pools", "rl_lr": 5e-4, "rl_credit_malformed": True, "eval_temperature": 1.0,
               "rl_temperature": 1.0, "rl_warmup_steps": 0, "rl_format_weight": 0.0,
-              "rl_skip_zero": False, "n_validation": 0, "select": False, "sft_decay_steps": 0,
-              "rl_decay_steps": 0}
+              "rl_skip_zero": False, "n_validation": 0, "select": False, "sft_decay_steps": 0}
 """Plan fields whose default changed since they were added: a saved plan without them ran with
 these values."""
 AFTER_RL = ("RL", "evaluate after RL", f"evaluate {LAST_ROWS['after RL']}", "SFT continued",
