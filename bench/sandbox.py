@@ -1,8 +1,9 @@
 """Sandbox speed, side by side in one run: command round trip and sandbox start for our
 bubblewrap and Docker backends, SWE-ReX's local runtime, and one fresh `subprocess.run` per
 command (how mini-swe-agent executes actions); then 64 concurrent sandboxes per backend.
-Docker runs twice: containers created at each start, and taken from the warm pool
-(SWERVE_DOCKER_POOL=--pool). Each sandbox is held --hold seconds after its first command, as an
+bubblewrap runs twice: launched by the compiled launcher (sandboxes/launch.c) and by the
+shell script it replaced (SWERVE_SANDBOX_LAUNCHER=sh). Docker runs twice: containers created
+at each start, and taken from the warm pool (SWERVE_DOCKER_POOL=--pool). Each sandbox is held --hold seconds after its first command, as an
 episode holds it (not counted), which is when the pool refills.
 
     .venv/bin/python bench/sandbox.py [--commands 1000] [--starts 50] [--concurrent 64] [--hold 0.5] [--pool 4]
@@ -163,6 +164,9 @@ async def main() -> None:
         docker = DockerSandboxConfig(image=docker_env_image(repo), limits=limits)
         rows = {}
         rows["swerve bwrap"] = await ours(bwrap, args.commands, args.starts, args.hold)
+        os.environ["SWERVE_SANDBOX_LAUNCHER"] = "sh"  # the launcher before sandboxes/launch.c
+        rows["swerve bwrap, sh launch"] = await ours(bwrap, args.commands, args.starts, args.hold)
+        del os.environ["SWERVE_SANDBOX_LAUNCHER"]
         rows["swerve docker"] = await ours(docker, args.commands, args.starts, args.hold)
         os.environ["SWERVE_DOCKER_POOL"] = str(args.pool)
         await ours(docker, 0, 1, 5.0)  # the first start is made afresh; then the pool fills
@@ -179,13 +183,13 @@ async def main() -> None:
     base = statistics.median(rows["subprocess.run"][0])
     print(f"round trip of `true` over {args.commands} commands; start over {args.starts} "
           f"sandboxes with a {ENV_MB} MB repository environment, each held {args.hold} s")
-    print(f"{'runtime':18} {'rtt p50 ms':>10} {'rtt p99 ms':>10} {'vs subprocess':>13} {'start p50 ms':>12} "
+    print(f"{'runtime':23} {'rtt p50 ms':>10} {'rtt p99 ms':>10} {'vs subprocess':>13} {'start p50 ms':>12} "
           f"{'start p99 ms':>12}")
     for name, (rtts, starts) in rows.items():
         p50 = statistics.median(rtts)
         start = (f"{statistics.median(starts) * 1e3:12.1f} {pct(starts, 99) * 1e3:12.1f}" if starts
                  else f"{'-':>12} {'-':>12}")
-        print(f"{name:18} {p50 * 1e3:10.3f} {pct(rtts, 99) * 1e3:10.3f} {p50 / base:12.2f}x {start}")
+        print(f"{name:23} {p50 * 1e3:10.3f} {pct(rtts, 99) * 1e3:10.3f} {p50 / base:12.2f}x {start}")
     for name, (errors, seconds) in conc.items():
         print(f"{args.concurrent} concurrent {name}: {errors} errors, {seconds:.1f} s for all")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from sandboxes.base import SandboxError, SandboxLimits, path_with_env
 from sandboxes.cgroups import CgroupError, Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
+from sandboxes.launcher import LauncherError, built, launcher
 from sandboxes.netns import SLIRP_DNS, NetworkError, UserNet, read_child_pid
 from sandboxes.reaper import Owner, PeriodicReaper, remove_state, remove_state_now, state_root
 from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
@@ -35,7 +36,7 @@ SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where bwrap, already unprivileged, finds the sandbox's state: the state folder is bound here in
 # the sandbox's private mount namespace, as its own parents need not be open to the host uid.
 VIEW = "/run/swerve-sandbox"
-# the sandbox's /etc/passwd and /etc/group, written into its state by the launcher (_LAUNCH)
+# the sandbox's /etc/passwd and /etc/group, written into its state by the launcher
 PASSWD = (f"root:x:0:0::/root:/usr/sbin/nologin\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/tmp:/bin/bash\n"
           "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n")
 GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
@@ -51,7 +52,8 @@ def host_uid() -> int:
 
 # Joins the cgroups, makes a private mount namespace, mounts a size-limited tmpfs for all
 # writes and the overlay of the task image on it, then becomes bwrap as the sandbox's host
-# uid (argv in "$@").
+# uid (argv in "$@"). sandboxes/launch.c does the same in one process (sandboxes/launcher.py):
+# this script is its fallback where no C compiler is found, and the two must stay alike.
 _LAUNCH = r"""
 set -e
 for f in $SWERVE_CGROUP_PROCS; do echo $$ > "$f"; done
@@ -179,14 +181,18 @@ class BwrapSandbox(ShellSandbox):
 
         net_fds = (fds["info_w"], fds["block_r"]) if fds else None
         try:
+            compiled = launcher() if built() else await asyncio.to_thread(launcher)
+            launch_argv = [str(compiled)] if compiled else ["sh", "-c", _LAUNCH, "sh"]
             self.shell = await ShellSession.start(
-                ["sh", "-c", _LAUNCH, "sh", *self._bwrap_argv(net_fds)],
+                [*launch_argv, *self._bwrap_argv(net_fds)],
                 output_limit=self.limits.output_limit_bytes, env=env, pass_fds=net_fds or (),
                 spawned=link_network if net_fds else None)
         except SessionDead as e:
             raise SandboxError(f"bubblewrap sandbox failed to start: {e.output.strip()[-2000:]}") from e
         except NetworkError as e:
             raise SandboxError(f"bubblewrap sandbox network: {e}") from e
+        except LauncherError as e:
+            raise SandboxError(str(e)) from e
         finally:
             close(*list(fds))
 

@@ -26,9 +26,11 @@ from sandboxes.base import ExecResult
 # returns from the command's function, so the rest of its list does not run.
 _SHELL_INIT = ("exec 4>&1 5>&2; unset HISTFILE; "
                "__swerve_run() { eval \"$__swerve_cmd\"; }; trap 'return 124' USR1; ")
+# The shell is a fork of the supervisor that says its pid, then becomes bash: one program
+# started per shell, not two (a `bash -c` saying it, then the bash it execs).
 SUPERVISOR = (
     "while :; do "
-    "bash --noprofile --norc -c 'printf \"ready %s\\n\" $$ >&2; exec bash --noprofile --norc'; "
+    "(printf 'ready %s\\n' \"$BASHPID\" >&2; exec bash --noprofile --norc); "
     "printf 'exited %s\\n' \"$?\" >&2; done"
 )
 # One line, so nothing of it is left unread in the pipe if the command ends the shell; the
