@@ -9,7 +9,10 @@ sandbox's processes). Side by side in one run, alternating, on the same sandboxe
   thread per child, blocked in waitpid): sandboxes/shell.TransportProcess, PipeProcess's fallback
   where the kernel has no pidfd, and what the worker ran before 2026-12-06.
 
-And per command (`echo hi`) on one sandbox, for both. An episode of bench/rollouts.py holds two
+And per command (`echo hi`) on one sandbox, for both. Then the two launchers of a sandbox
+(sandboxes/launch.c, compiled, and the shell script it replaced, SWERVE_SANDBOX_LAUNCHER=sh),
+alternating, each with this process's CPU and that of the sandbox's own processes it reaped
+(RUSAGE_CHILDREN: the launch, bwrap, the shell and the command). An episode of bench/rollouts.py holds two
 sandboxes (the agent's and the grading one), so twice the lifecycle figure is what sandboxes cost
 an episode before its commands. (uvloop and asyncio's own pidfd child watcher were measured on
 2026-12-05, bench/RESULTS.md: neither was taken.)
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import resource
 import statistics
 import sys
@@ -39,9 +43,25 @@ from sandboxes.config import BwrapSandboxConfig  # noqa: E402
 PIDFD = shell._HAS_PIDFD
 
 
-def rusage_ms() -> tuple[float, float]:
-    r = resource.getrusage(resource.RUSAGE_SELF)
+def rusage_ms(who: int = resource.RUSAGE_SELF) -> tuple[float, float]:
+    r = resource.getrusage(who)
     return r.ru_utime * 1e3, r.ru_stime * 1e3
+
+
+async def launches(config, n: int, how: str) -> tuple[float, float]:
+    """This process's ms and its reaped children's ms per lifecycle, launched as `how` says."""
+    os.environ["SWERVE_SANDBOX_LAUNCHER"] = how
+    try:
+        u0, s0 = rusage_ms()
+        c0 = sum(rusage_ms(resource.RUSAGE_CHILDREN))
+        for _ in range(n):
+            async with open_sandbox(config) as sb:
+                await echo(sb)
+        u1, s1 = rusage_ms()
+        c1 = sum(rusage_ms(resource.RUSAGE_CHILDREN))
+    finally:
+        del os.environ["SWERVE_SANDBOX_LAUNCHER"]
+    return (u1 - u0 + s1 - s0) / n, (c1 - c0) / n
 
 
 async def echo(sb) -> None:
@@ -131,10 +151,23 @@ def main() -> None:
         for kind in per_command:
             per_command[kind].append(on_loop(kind, lambda: commands(config, args.commands)))
 
+    hows = {"compiled (sandboxes/launch.c)": "compiled", "shell script (SWERVE_SANDBOX_LAUNCHER=sh)": "sh"}
+    per_launch = {k: [] for k in hows}
+    for _ in range(args.rounds):
+        for name, how in hows.items():
+            per_launch[name].append(on_loop(kinds[0], lambda: launches(config, args.lifecycles, how)))
+
     print(f"{args.lifecycles} lifecycles (start, `echo hi`, close) a round, {args.rounds} rounds, alternating")
     table(per_life, "ms", 2)
     print(f"\nper command, {args.commands} on one sandbox (us)")
     table(per_command, "us", 0)
+    print(f"\nper lifecycle by launcher, {args.lifecycles} a round (ms, user + system)")
+    print("| launcher | this process | its sandbox's processes | rounds (this + sandbox's) |")
+    print("|---|---|---|---|")
+    for name, rounds in per_launch.items():
+        own, kids = statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
+        spread = ", ".join(f"{a:.2f}+{b:.2f}" for a, b in rounds)
+        print(f"| {name} | {own:.2f} | {kids:.2f} | {spread} |")
 
 
 def table(by_kind: dict[str, list[tuple[float, float]]], unit: str, digits: int) -> None:
