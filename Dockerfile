@@ -2,6 +2,17 @@
 # No registry is reachable on the development machines; set BASE_IMAGE to a locally built
 # Python 3.11 image there (see sandboxes/ for the debootstrap recipe).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# The bubblewrap sandboxes' launcher (sandboxes/launch.c), compiled here so the app image needs
+# no compiler: named by its source's hash as sandboxes/launcher.py looks for it.
+FROM ${BASE_IMAGE} AS launcher
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+COPY sandboxes/launch.c /src/launch.c
+RUN mkdir -p /opt/swerve/launcher \
+    && gcc -O2 -Wall -o "/opt/swerve/launcher/swerve-launch-$(sha256sum /src/launch.c | cut -c1-16)" /src/launch.c
+
 FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -10,6 +21,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 1000 swerve \
     && mkdir /data && chown swerve:swerve /data
+
+COPY --from=launcher /opt/swerve/launcher /opt/swerve/launcher
+ENV SWERVE_LAUNCHER_DIR=/opt/swerve/launcher
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

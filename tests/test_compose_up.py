@@ -140,6 +140,9 @@ def test_the_stack_migrates_serves_and_runs_oracle_episodes(stack, tmp_path):
         assert (state["reward_mean"], state["pass_at_1"]) == (1.0, 1.0), state
         detail = client.get(f"/api/v1/episodes/{episodes['items'][0]['id']}", headers=headers).json()
         assert detail["report"]["resolution"] == "FULL" and detail["diff"].startswith("diff --git")
+        # the sandboxes started through the launcher the image compiled, not the shell script
+        worker_log = stack.compose("logs", "--no-color", "worker").stdout
+        assert "sandbox up" in worker_log and "shell launcher" not in worker_log, worker_log[-4000:]
 
         # a restarted API (migrations run again, a no-op) and worker keep the run and serve it
         restarted = stack.compose("restart", "api", "worker", timeout=300)
