@@ -93,6 +93,7 @@ def launcher() -> Path | None:
         try:
             _built[folder] = build(folder)
         except (LauncherError, OSError) as e:
-            logger.warning("bubblewrap sandboxes start through the shell launcher, 10-15 ms slower: %s", e)
+            logger.warning("bubblewrap sandboxes start through the shell launcher (slower, at 4x the CPU: "
+                           "bench/sandbox_cpu.py): %s", e)
             _built[folder] = None
     return _built[folder]
