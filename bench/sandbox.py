@@ -3,8 +3,9 @@ bubblewrap and Docker backends, SWE-ReX's local runtime, and one fresh `subproce
 command (how mini-swe-agent executes actions); then 64 concurrent sandboxes per backend.
 bubblewrap runs twice: launched by the compiled launcher (sandboxes/launch.c) and by the
 shell script it replaced (SWERVE_SANDBOX_LAUNCHER=sh). Docker runs twice: containers created
-at each start, and taken from the warm pool (SWERVE_DOCKER_POOL=--pool). Each sandbox is held --hold seconds after its first command, as an
-episode holds it (not counted), which is when the pool refills.
+at each start, and taken from the warm pool (SWERVE_DOCKER_POOL=--pool). Each sandbox is held
+--hold seconds after its first command, as an episode holds it (not counted), which is when
+the pool refills.
 
     .venv/bin/python bench/sandbox.py [--commands 1000] [--starts 50] [--concurrent 64] [--hold 0.5] [--pool 4]
 """

@@ -12,9 +12,9 @@ sandbox's processes). Side by side in one run, alternating, on the same sandboxe
 And per command (`echo hi`) on one sandbox, for both. Then the two launchers of a sandbox
 (sandboxes/launch.c, compiled, and the shell script it replaced, SWERVE_SANDBOX_LAUNCHER=sh),
 alternating, each with this process's CPU and that of the sandbox's own processes it reaped
-(RUSAGE_CHILDREN: the launch, bwrap, the shell and the command). An episode of bench/rollouts.py holds two
-sandboxes (the agent's and the grading one), so twice the lifecycle figure is what sandboxes cost
-an episode before its commands. (uvloop and asyncio's own pidfd child watcher were measured on
+(RUSAGE_CHILDREN: the launch, bwrap, the shell and the command). An episode of
+bench/rollouts.py holds two sandboxes (the agent's and the grading one), so twice the lifecycle
+figure is what sandboxes cost an episode before its commands. (uvloop and asyncio's own pidfd child watcher were measured on
 2026-12-05, bench/RESULTS.md: neither was taken.)
 
     .venv/bin/python bench/sandbox_cpu.py [--lifecycles 100] [--rounds 3] [--commands 2000]
@@ -48,22 +48,6 @@ def rusage_ms(who: int = resource.RUSAGE_SELF) -> tuple[float, float]:
     return r.ru_utime * 1e3, r.ru_stime * 1e3
 
 
-async def launches(config, n: int, how: str) -> tuple[float, float]:
-    """This process's ms and its reaped children's ms per lifecycle, launched as `how` says."""
-    os.environ["SWERVE_SANDBOX_LAUNCHER"] = how
-    try:
-        u0, s0 = rusage_ms()
-        c0 = sum(rusage_ms(resource.RUSAGE_CHILDREN))
-        for _ in range(n):
-            async with open_sandbox(config) as sb:
-                await echo(sb)
-        u1, s1 = rusage_ms()
-        c1 = sum(rusage_ms(resource.RUSAGE_CHILDREN))
-    finally:
-        del os.environ["SWERVE_SANDBOX_LAUNCHER"]
-    return (u1 - u0 + s1 - s0) / n, (c1 - c0) / n
-
-
 async def echo(sb) -> None:
     r = await sb.execute("echo hi")
     if r.exit_code != 0 or "hi" not in r.output:
@@ -78,6 +62,18 @@ async def lifecycles(config, n: int) -> tuple[float, float]:
             await echo(sb)
     u1, s1 = rusage_ms()
     return (u1 - u0) / n, (s1 - s0) / n
+
+
+async def launches(config, n: int, how: str) -> tuple[float, float]:
+    """This process's ms and its reaped children's ms per lifecycle, launched as `how` says."""
+    os.environ["SWERVE_SANDBOX_LAUNCHER"] = how
+    try:
+        c0 = sum(rusage_ms(resource.RUSAGE_CHILDREN))
+        user, system = await lifecycles(config, n)
+        c1 = sum(rusage_ms(resource.RUSAGE_CHILDREN))
+    finally:
+        del os.environ["SWERVE_SANDBOX_LAUNCHER"]
+    return user + system, (c1 - c0) / n
 
 
 async def commands(config, n: int) -> tuple[float, float]:
