@@ -42,7 +42,7 @@ demo-learn: db $(VLLM_STAMP)
 	$(BIN)/swerve demo learn
 
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --durations=30
 
 # The tests that compare numbers, again under each oneDNN instruction-set cap (a cap above what
 # the CPU has changes nothing), so a landing does not depend on which CPU CI had.

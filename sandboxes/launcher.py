@@ -13,6 +13,7 @@ SWERVE_SANDBOX_LAUNCHER=sh) sandboxes start through the shell script, with a war
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -20,6 +21,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from sandboxes.reaper import state_root
@@ -61,6 +63,10 @@ def build(folder: Path | None = None) -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise LauncherError(f"no C compiler ({os.environ.get('CC', 'cc')}) to build {SOURCE.name}")
+    for stale in folder.glob(".swerve-launch-*"):  # a compile killed midway left it
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - stale.lstat().st_mtime > 3600:
+                stale.unlink()
     fd, tmp = tempfile.mkstemp(prefix=".swerve-launch-", dir=folder)
     os.close(fd)
     try:

@@ -5,6 +5,7 @@ A missing service skips its tests on a laptop and fails them under SWERVE_REQUIR
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -32,7 +33,15 @@ os.environ.setdefault("SWERVE_MODEL_ROOTS", tempfile.gettempdir())
 # The engine tests run on is overlay2 on ext4, which cannot limit a container's disk: accepted
 # here, as an operator may; tests/test_sandboxes.py proves the limit on a btrfs engine.
 os.environ.setdefault("SWERVE_DOCKER_DISK_LIMIT", "tmp-only")
-DEPLOYMENT = {k: os.environ[k] for k in ("SWERVE_ENDPOINT_HOSTS", "SWERVE_MODEL_ROOTS", "SWERVE_DOCKER_DISK_LIMIT")}
+# The bubblewrap launcher (sandboxes/launcher.py) is a per-host cache, built once for the whole
+# session rather than into each test's own sandbox state folder, which tests expect to find empty
+# once their sandboxes are gone. Its folder's parent must be private to this user: mkdtemp's is.
+if "SWERVE_LAUNCHER_DIR" not in os.environ:
+    _launcher_parent = tempfile.mkdtemp(prefix="swerve-test-launcher-")
+    atexit.register(shutil.rmtree, _launcher_parent, True)
+    os.environ["SWERVE_LAUNCHER_DIR"] = os.path.join(_launcher_parent, "bin")
+DEPLOYMENT = {k: os.environ[k] for k in ("SWERVE_ENDPOINT_HOSTS", "SWERVE_MODEL_ROOTS", "SWERVE_DOCKER_DISK_LIMIT",
+                                         "SWERVE_LAUNCHER_DIR")}
 
 
 def clean_env() -> dict[str, str]:
@@ -169,3 +178,25 @@ def count_rows(url: str) -> dict[str, int]:
 
 
 from tests.vllm_fixtures import vllm_fleet  # noqa: E402, F401 - one fleet per session, for every module
+
+
+COMPOSE_TESTS = "tests/test_compose_up.py::"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The compose stack's tests run last, so the images they build for minutes (pip downloads and
+    unpacking more than CPU) are built meanwhile (tests/test_compose_up.Prebuild)."""
+    compose = [item for item in items if item.nodeid.startswith(COMPOSE_TESTS)]
+    if compose:
+        items[:] = [item for item in items if not item.nodeid.startswith(COMPOSE_TESTS)] + compose
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    items = session.items
+    if session.config.option.collectonly:
+        return
+    if any(item.nodeid.startswith(COMPOSE_TESTS) for item in items) and not items[0].nodeid.startswith(COMPOSE_TESTS):
+        from tests.test_compose_up import prebuild
+
+        prebuild.start()

