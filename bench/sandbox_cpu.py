@@ -18,6 +18,7 @@ figure is what sandboxes cost an episode before its commands. (uvloop and asynci
 2026-12-05, bench/RESULTS.md: neither was taken.)
 
     .venv/bin/python bench/sandbox_cpu.py [--lifecycles 100] [--rounds 3] [--commands 2000]
+    .venv/bin/python bench/sandbox_cpu.py --profile 200   # where the worker's part goes, by cProfile
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--lifecycles", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--commands", type=int, default=2000)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="instead: N lifecycles on the worker's loop under cProfile, its largest parts")
     args = ap.parse_args()
     repo = Path(tempfile.mkdtemp(prefix="swerve-bench-")) / "repo"
     repo.mkdir()
@@ -136,6 +139,8 @@ def main() -> None:
     if not PIDFD:
         raise SystemExit("this kernel has no pidfd_open: PipeProcess falls back to TransportProcess here")
     kinds = list(KINDS)
+    if args.profile:
+        return profile(config, kinds[0], args.profile)
     for kind in kinds:  # warm: the page cache, the imports
         on_loop(kind, lambda: lifecycles(config, 5))
     per_life = {k: [] for k in kinds}
@@ -164,6 +169,31 @@ def main() -> None:
         own, kids = statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
         spread = ", ".join(f"{a:.2f}+{b:.2f}" for a, b in rounds)
         print(f"| {name} | {own:.2f} | {kids:.2f} | {spread} |")
+
+
+def profile(config, kind: str, n: int) -> None:
+    """Where this process's time per lifecycle goes, by cProfile (its overhead inflates the
+    Python side; the event loop's wait, mostly the admission's pacing, is left out)."""
+    import cProfile
+    import pstats
+
+    on_loop(kind, lambda: lifecycles(config, 5))
+    profiler = cProfile.Profile()
+    user, system = on_loop(kind, lambda: _profiled(profiler, config, n))
+    stats = pstats.Stats(profiler)
+    wait = sum(tt for (_, _, name), (_, _, tt, _, _) in stats.stats.items() if name == "<method 'poll' of 'select.epoll' objects>")
+    print(f"{n} lifecycles under cProfile: {user:.2f} user + {system:.2f} system ms each (with the profiler), "
+          f"{stats.total_calls / n:.0f} calls each, {(stats.total_tt - wait) / n * 1e3:.2f} ms each outside the loop's wait")
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+
+
+async def _profiled(profiler, config, n: int) -> tuple[float, float]:
+    profiler.enable()
+    try:
+        return await lifecycles(config, n)
+    finally:
+        profiler.disable()
 
 
 def table(by_kind: dict[str, list[tuple[float, float]]], unit: str, digits: int) -> None:
