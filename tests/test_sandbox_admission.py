@@ -102,6 +102,19 @@ def test_a_start_is_reserved_on_the_loop_unless_another_holds_the_schedule(tmp_p
     assert second == pytest.approx(first + 1.0, abs=1e-5)  # the instant after the first: none was lost
 
 
+def test_the_schedule_is_read_from_its_record_whatever_lies_past_it(tmp_path):
+    """The schedule is one fixed-width record written over the last, never truncated: a longer
+    leftover (an older writer's, a torn file) past it changes nothing, and an unreadable record
+    starts the schedule over at now."""
+    (tmp_path / "starts").write_bytes(b"x" * 100)
+    first = admission._next_start(tmp_path, 2.0)
+    assert abs(first - time.time()) < 1  # unreadable: start over
+    second = admission._next_start(tmp_path, 2.0)
+    assert second == pytest.approx(first + 0.5, abs=1e-5)  # the garbage past the record is never read
+    (tmp_path / "starts").write_bytes(f"{second + 0.5:.6f}".ljust(32).encode() + b"9" * 60)
+    assert admission._next_start(tmp_path, 2.0) == pytest.approx(second + 0.5, abs=1e-5)
+
+
 def test_a_killed_process_gives_its_slot_back(tmp_path, monkeypatch):
     env = os.environ | {"SWERVE_SANDBOX_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "SWERVE_SANDBOX_MAX_LIVE": "1"}
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, "1", "600", "0"], env=env)
