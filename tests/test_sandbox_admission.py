@@ -111,7 +111,7 @@ def test_the_schedule_is_read_from_its_record_whatever_lies_past_it(tmp_path):
     assert abs(first - time.time()) < 1  # unreadable: start over
     second = admission._next_start(tmp_path, 2.0)
     assert second == pytest.approx(first + 0.5, abs=1e-5)  # the garbage past the record is never read
-    (tmp_path / "starts").write_bytes(f"{second + 0.5:.6f}".ljust(32).encode() + b"9" * 60)
+    (tmp_path / "starts").write_bytes(f"{second + 0.5:.6f}".ljust(admission._RECORD).encode() + b"9" * 60)
     assert admission._next_start(tmp_path, 2.0) == pytest.approx(second + 0.5, abs=1e-5)
 
 
