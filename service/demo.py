@@ -56,8 +56,11 @@ another version (LearnPlan.select)."""
 @dataclass(frozen=True)
 class LearnPlan:
     seed: int = 0
-    n_train: int = 1152
-    """512 demonstrated, the other 640 the RL job's: each of its groups sees a new task."""
+    n_train: int = 1536
+    """512 demonstrated, the other 1024 the RL job's: each of its groups sees a new task (1152
+    until 2026-12-07: with rl_fill_useful a step draws about three groups for each useful one, and
+    640 fresh tasks ran out at about 24 steps of 8). The first 1152 are the same tasks as before
+    (the generator draws them in order)."""
     n_heldout: int = 128
     """The table's held-out-name tasks (x eval_samples each). 64 until 2026-12-06: at 64 x 8 a row's
     95% interval is about +-4 points at pass@1 0.3-0.4, so RL's +7.4 from seed 1's checkpoint
@@ -160,8 +163,9 @@ class LearnPlan:
     rl_seed: int | None = None
     """The RL job's seed (its task order and the trainer's); None: the plan's. Another value
     repeats RL from the same SFT checkpoint as an independent run (bench/demo_rl_variant.py)."""
-    rl_groups_per_step: int = 16
-    """Tasks per step. Most tasks are solved always or never (held-out pass@8 after SFT 0.39
+    rl_groups_per_step: int = 8
+    """Tasks per step: with rl_fill_useful, groups with a reward spread (16 groups whatever they
+    taught until 2026-12-07). Most tasks are solved always or never (held-out pass@8 after SFT 0.39
     against pass@1 0.29), so only about a third of the groups carry a reward spread; the run of
     2026-12-02 evening with 4 groups of 16 (one or two such tasks a step) at lr 3e-4 lost 6 points
     of held-out pass@1: Adam scales a noisy step to full size."""
@@ -242,11 +246,18 @@ class LearnPlan:
     chosen rows. From the same seed's checkpoint read on 128 tasks (0.422; 2026-12-06 evening):
     "batch" 0.473, "token" 0.471 (paired +0.002, -0.032 to +0.037). Two pairs, no difference in
     pass@1: kept at "token"."""
-    rl_fill_useful: bool = False
+    rl_fill_useful: bool = True
     """True: a step waits for groups_per_step groups that teach something (DAPO's dynamic
     sampling); False: it takes the next groups whatever they teach (groups without a reward
-    spread train nothing), so the job ends on time whatever the SFT policy solves."""
-    rl_eval_every: int = 10
+    spread train nothing). False until 2026-12-07, set when the SFT policy of the first plan solved
+    almost nothing (a step would have waited for groups that never came; the time limit now ends
+    the job whatever the policy solves). Why True: with 16 groups a step whatever they teach,
+    0 to 8 of them had a reward spread (seed 1, 2026-12-06 evening), and with the loss a mean over
+    the trained tokens and Adam, a step of one useful group moved the policy as far as a step of
+    eight: the steps on little evidence are as large as the others. At one useful group in three,
+    8 useful groups a step draw about 24 groups (16 before): fewer steps fit the time limit (about
+    25 against 31-40), each with 8 groups of evidence."""
+    rl_eval_every: int = 8
     """Steps between the RL job's evaluations (validation split, or rl_eval_tasks held-out tasks)."""
     rl_eval_tasks: int = 16
     """Without a validation split (n_validation 0): the held-out tasks the RL job evaluates on."""
@@ -270,6 +281,7 @@ class LearnPlan:
                    eval_samples=2, eval_templates_samples=1, sft_steps=2, sft_decay_steps=1, sft_groups_per_step=2,
                    rl_steps=2,
                    rl_groups_per_step=1, rl_samples=2, rl_eval_every=1, rl_eval_tasks=2, rl_eval_samples=1,
+                   rl_fill_useful=False,  # the quick model seldom solves a task: steps of whatever groups
                    concurrency=4, max_tokens=48)
 
 

@@ -3,6 +3,7 @@ back in transformers, a training loop on the PostgreSQL/SQLite buffer, and a gol
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -136,15 +137,22 @@ def sampled_turns(model, n_turns: int, rng: np.random.Generator) -> list[TurnRec
     return turns
 
 
-async def fill_buffer(engine, model, rewards_by_group: list[list[float]], samples: int = 2) -> uuid.UUID:
+async def fill_buffer(engine, model, rewards_by_group: list[list[float]], samples: int = 2,
+                      sampler: str = "oracle", **run) -> uuid.UUID:  # fmt: skip
     """A run of 3 tasks x `samples` episodes whose groups are ready with these rewards; the turns
     are the model's own samples (the same every time for the same model)."""
-    run_id = await make_run(engine, sampler="oracle", samples_per_task=samples)
+    run_id = await make_run(engine, sampler=sampler, samples_per_task=samples, **run)
+    await finish_groups(engine, model, run_id, rewards_by_group)
+    return run_id
+
+
+async def finish_groups(engine, model, run_id: uuid.UUID, rewards_by_group: list[list[float]], first: int = 0) -> None:
+    """The run's groups from number `first` (in id order) made ready with these rewards."""
     buffer = Buffer(engine)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(first)
     async with engine.connect() as conn:
         groups = (await conn.execute(sa.select(Group.id).where(Group.run_id == run_id).order_by(Group.id))).scalars().all()
-    for group_id, rewards in zip(groups, rewards_by_group):
+    for group_id, rewards in zip(groups[first:], rewards_by_group):
         async with engine.connect() as conn:
             episodes = (await conn.execute(sa.select(Episode.id).where(Episode.group_id == group_id)
                                            .order_by(Episode.sample_index))).scalars().all()
@@ -153,7 +161,6 @@ async def fill_buffer(engine, model, rewards_by_group: list[list[float]], sample
                 await buffer.append_turn(episode_id, turn)
             await buffer.finish_episode(episode_id, status="submitted", reward=reward, n_turns=2,
                                         policy_version_min=0, policy_version_max=0)
-    return run_id
 
 
 @pytest.fixture
@@ -212,6 +219,53 @@ async def test_training_loop_consumes_groups_and_publishes_versions(engine, db_u
         torch.testing.assert_close(served(ids).logits, trainer.model(ids, torch.arange(40)[None]).float(),
                                    atol=1e-5, rtol=0)
         assert not torch.allclose(served(ids).logits, hf_logits(tiny["dense"], ids))
+
+
+async def test_a_step_filling_up_with_useful_groups_holds_no_useless_one_against_the_gate(engine, tiny, tmp_path):
+    """DAPO's dynamic sampling under the orchestrator's bound on groups waiting to be trained on
+    ((max_off_policy_steps + 1) x groups_per_step): a group that teaches nothing is consumed as
+    soon as the trainer loads it, so the next group may start while the step waits for a useful
+    one. Held in the claim until the step, it filled the bound: no group started, and the step
+    waited for one until wait_s (`swerve rl` with the trainer's default fill_useful)."""
+    from service.control.orchestrator import _gate
+    from tests.test_orchestrator import config
+    from trainer.config import TrainerConfig
+    from trainer.model import build_model
+    from trainer.train import Trainer
+
+    model, _, _ = build_model(tiny["dense"])
+    run_id = await fill_buffer(engine, model, [[0.0, 0.0]], sampler="vllm", groups_per_step=1, max_off_policy_steps=0)
+    run_cfg = await config(engine, run_id)
+
+    async def room() -> int:
+        async with engine.connect() as conn:
+            return (await _gate(conn, run_id, run_cfg, None))[1]
+
+    async def status() -> list[tuple]:
+        async with engine.connect() as conn:
+            rows = (await conn.execute(sa.select(Group.status, Group.trainer_step).where(Group.run_id == run_id)
+                                       .order_by(Group.id))).all()
+        return [tuple(r) for r in rows]
+
+    assert await room() == 0  # the ready group that teaches nothing fills the bound of 1
+    cfg = TrainerConfig(model=tiny["dense"], out_dir=tmp_path, groups_per_step=1, run_id=run_id,
+                        max_off_policy_steps=0, data={"seq_len": 64}, wait_s=60)
+    assert cfg.fill_useful
+    trainer = Trainer(cfg, engine)
+    step = asyncio.create_task(trainer.claim())
+    for _ in range(300):
+        if (await status())[0][0] != "ready":
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.5)  # the trainer has polled for more at least once
+    assert await status() == [("consumed", 1), ("pending", None), ("pending", None)]
+    assert not step.done() and await room() == 1  # the next group may start
+    await finish_groups(engine, model, run_id, [[1.0, 0.0]], first=1)
+    claims, taken, dropped, useless = await asyncio.wait_for(step, 30)
+    assert (len(taken), dropped, useless) == (2, 0, 1)
+    assert [len(c.group_ids) for c in claims] == [1]  # the useful group only, committed with the step
+    assert await trainer.commit(claims) is None
+    assert await status() == [("consumed", 1), ("consumed", 1), ("pending", None)]
 
 
 def golden_step(tiny_dir: Path) -> dict:

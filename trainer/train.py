@@ -213,7 +213,7 @@ class Trainer:
         stale groups dropped and of useless ones. Groups that teach nothing (all advantages
         zero, no rewarded episode) ride along in the claims: consumed with the step, counted in
         its reward and staleness, trained on by nothing (prepare leaves them out), never handed
-        out again."""
+        out again; with fill_useful they are consumed as soon as they are loaded."""
         deadline = time.monotonic() + self.cfg.wait_s
         claims, useful, dropped, useless, taken = [], [], 0, 0, []
 
@@ -226,13 +226,26 @@ class Trainer:
                                             run_id=self.cfg.run_id, owner=self.cfg.name)
             dropped += claim.dropped
             if claim.group_ids:
-                claims.append(claim)
-                for group in await self.buffer.load(claim):
-                    taken.append(group)
-                    if group_advantages_of(group, self.cfg.data) is not None:
-                        useful.append(group)
-                    else:
-                        useless += 1
+                loaded = await self.buffer.load(claim)
+                good = [g for g in loaded if group_advantages_of(g, self.cfg.data) is not None]
+                idle = [g.id for g in loaded if all(g.id != u.id for u in good)]
+                if self.cfg.fill_useful and idle:
+                    # consumed now, not held until the step: the orchestrator counts a claimed
+                    # group as waiting to be trained on and starts none past
+                    # (max_off_policy_steps + 1) x groups_per_step of them, so a step short of
+                    # useful groups behind that many useless ones would wait for groups that
+                    # never start
+                    try:
+                        claim = await self.buffer.consume(claim, idle, trainer_step=self.step + 1)
+                    except ClaimLost as e:
+                        logger.warning("step %d: %s; claiming others", self.step + 1, e)
+                        await self.buffer.release(claim)
+                        continue
+                taken += loaded
+                useful += good
+                useless += len(idle)
+                if claim.group_ids:
+                    claims.append(claim)
                 continue
             if self.cfg.run_id is not None and await self.buffer.schedule_done(self.cfg.run_id):
                 if useful or (useless and not self.cfg.fill_useful):  # the schedule's last groups: a smaller step

@@ -619,6 +619,24 @@ class Buffer:
                 raise ClaimLost(f"claim {claim.id}: {len(claim.group_ids) - done.rowcount} group(s) "
                                 "went back to the buffer before the step committed")
 
+    async def consume(self, claim: Claim, group_ids: list[uuid.UUID], trainer_step: int) -> Claim:
+        """Mark these of the claim's groups consumed now, before the step commits (groups that
+        teach nothing, which a trainer filling its step with useful ones would otherwise hold,
+        with the orchestrator counting them as waiting to be trained on); returns the claim
+        with the rest. Raises ClaimLost if the lease was lost meanwhile."""
+        ids = [g for g in claim.group_ids if g in set(group_ids)]
+        if not ids:
+            return claim
+        async with self.engine.begin() as conn:
+            done = await conn.execute(
+                sa.update(Group).where(Group.claim_id == claim.id, Group.id.in_(ids), Group.status == "claimed",
+                                       Group.claim_expires_at >= utcnow())
+                .values(status="consumed", consumed_at=utcnow(), trainer_step=trainer_step))
+            if done.rowcount != len(ids):
+                raise ClaimLost(f"claim {claim.id}: {len(ids) - done.rowcount} group(s) went back to the "
+                                "buffer before they were consumed")
+        return Claim(claim.id, [g for g in claim.group_ids if g not in set(ids)], claim.dropped)
+
     async def release_owner(self, owner: str, run_id: uuid.UUID | None = None) -> int:
         """Give back every group `owner` holds claimed (a trainer restarting: the claims of the
         incarnation that died are its own, no need to wait out their lease). Returns how many."""
