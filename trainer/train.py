@@ -228,7 +228,7 @@ class Trainer:
             if claim.group_ids:
                 loaded = await self.buffer.load(claim)
                 good = [g for g in loaded if group_advantages_of(g, self.cfg.data) is not None]
-                idle = [g.id for g in loaded if all(g.id != u.id for u in good)]
+                idle = [g.id for g in loaded if not any(g is u for u in good)]
                 if self.cfg.fill_useful and idle:
                     # consumed now, not held until the step: the orchestrator counts a claimed
                     # group as waiting to be trained on and starts none past

@@ -623,8 +623,9 @@ class Buffer:
         """Mark these of the claim's groups consumed now, before the step commits (groups that
         teach nothing, which a trainer filling its step with useful ones would otherwise hold,
         with the orchestrator counting them as waiting to be trained on); returns the claim
-        with the rest. Raises ClaimLost if the lease was lost meanwhile."""
-        ids = [g for g in claim.group_ids if g in set(group_ids)]
+        with the rest. Raises ClaimLost if the lease was lost meanwhile (and consumes none)."""
+        wanted = set(group_ids)
+        ids = [g for g in claim.group_ids if g in wanted]
         if not ids:
             return claim
         async with self.engine.begin() as conn:
@@ -635,7 +636,7 @@ class Buffer:
             if done.rowcount != len(ids):
                 raise ClaimLost(f"claim {claim.id}: {len(ids) - done.rowcount} group(s) went back to the "
                                 "buffer before they were consumed")
-        return Claim(claim.id, [g for g in claim.group_ids if g not in set(ids)], claim.dropped)
+        return Claim(claim.id, [g for g in claim.group_ids if g not in wanted], claim.dropped)
 
     async def release_owner(self, owner: str, run_id: uuid.UUID | None = None) -> int:
         """Give back every group `owner` holds claimed (a trainer restarting: the claims of the
