@@ -226,9 +226,12 @@ class Trainer:
                                             run_id=self.cfg.run_id, owner=self.cfg.name)
             dropped += claim.dropped
             if claim.group_ids:
-                loaded = await self.buffer.load(claim)
-                good = [g for g in loaded if group_advantages_of(g, self.cfg.data) is not None]
-                idle = [g.id for g in loaded if not any(g is u for u in good)]
+                loaded, good, idle = await self.buffer.load(claim), [], []
+                for group in loaded:
+                    if group_advantages_of(group, self.cfg.data) is not None:
+                        good.append(group)
+                    else:
+                        idle.append(group.id)
                 if self.cfg.fill_useful and idle:
                     # consumed now, not held until the step: the orchestrator counts a claimed
                     # group as waiting to be trained on and starts none past

@@ -608,16 +608,7 @@ class Buffer:
 
     async def commit(self, claim: Claim, trainer_step: int) -> None:
         """Mark the claim's groups consumed. Raises ClaimLost if the lease was lost meanwhile."""
-        if not claim.group_ids:
-            return
-        async with self.engine.begin() as conn:
-            done = await conn.execute(
-                sa.update(Group).where(Group.claim_id == claim.id, Group.status == "claimed",
-                                       Group.claim_expires_at >= utcnow())
-                .values(status="consumed", consumed_at=utcnow(), trainer_step=trainer_step))
-            if done.rowcount != len(claim.group_ids):
-                raise ClaimLost(f"claim {claim.id}: {len(claim.group_ids) - done.rowcount} group(s) "
-                                "went back to the buffer before the step committed")
+        await self.consume(claim, claim.group_ids, trainer_step)
 
     async def consume(self, claim: Claim, group_ids: list[uuid.UUID], trainer_step: int) -> Claim:
         """Mark these of the claim's groups consumed now, before the step commits (groups that
@@ -635,7 +626,7 @@ class Buffer:
                 .values(status="consumed", consumed_at=utcnow(), trainer_step=trainer_step))
             if done.rowcount != len(ids):
                 raise ClaimLost(f"claim {claim.id}: {len(ids) - done.rowcount} group(s) went back to the "
-                                "buffer before they were consumed")
+                                "buffer before they were consumed")  # and none is: the transaction rolls back
         return Claim(claim.id, [g for g in claim.group_ids if g not in wanted], claim.dropped)
 
     async def release_owner(self, owner: str, run_id: uuid.UUID | None = None) -> int:
