@@ -14,10 +14,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import posixpath
 import signal
 import uuid
 from pathlib import Path
 
+from sandboxes import etc
 from sandboxes.base import SandboxError, SandboxLimits, path_with_env
 from sandboxes.cgroups import CgroupError, Cgroups, ns_pid, ns_ppid
 from sandboxes.common import ShellSandbox
@@ -29,17 +31,27 @@ from sandboxes.shell import SUPERVISOR, SessionDead, ShellSession
 logger = logging.getLogger(__name__)
 
 SANDBOX_UID = 1000
-ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
-             "localtime", "nsswitch.conf", "hosts", "resolv.conf", "mime.types", "gitconfig",
-             "python3", "python3.11", "debian_version", "os-release", "protocols", "services")
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # Where bwrap, already unprivileged, finds the sandbox's state: the state folder is bound here in
 # the sandbox's private mount namespace, as its own parents need not be open to the host uid.
 VIEW = "/run/swerve-sandbox"
+# and the copy of the host's /etc entries it binds as /etc (sandboxes/etc.py), likewise
+ETC_VIEW = "/run/swerve-sandbox-etc"
 # the sandbox's /etc/passwd and /etc/group, written into its state by the launcher
 PASSWD = (f"root:x:0:0::/root:/usr/sbin/nologin\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/tmp:/bin/bash\n"
           "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n")
 GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
+
+
+def _under_etc(path: str) -> str | None:
+    """`path` relative to /etc if it lies under it, else None."""
+    normal = posixpath.normpath(path)
+    return normal[len("/etc/"):] if normal.startswith("/etc/") else None
+
+
+def etc_entries(ro_binds: tuple[str, ...]) -> tuple[str, ...]:
+    """The extra read-only paths that lie under /etc, as entries of its copy (sandboxes/etc.py)."""
+    return tuple(name for name in map(_under_etc, ro_binds) if name is not None)
 
 
 def host_uid() -> int:
@@ -73,6 +85,7 @@ fi
 printf %s "$SWERVE_PASSWD" > "$SWERVE_STATE/passwd"
 printf %s "$SWERVE_GROUP" > "$SWERVE_STATE/group"
 mount --rbind "$SWERVE_STATE" "$SWERVE_VIEW"
+mount --bind "$SWERVE_ETC" "$SWERVE_ETC_VIEW"
 exec setpriv --reuid="$SWERVE_UID" --regid="$SWERVE_UID" --clear-groups --inh-caps=-all -- "$@"' sh "$@"
 """
 
@@ -80,9 +93,10 @@ exec setpriv --reuid="$SWERVE_UID" --regid="$SWERVE_UID" --clear-groups --inh-ca
 class BwrapSandbox(ShellSandbox):
     """Use BwrapSandboxConfig.build() or open_sandbox(); close() removes every trace."""
 
-    def __init__(self, config, sandbox_id: str, state: Path, cgroups: Cgroups):
+    def __init__(self, config, sandbox_id: str, state: Path, cgroups: Cgroups, etc_copy: Path):
         super().__init__()
         self.config, self.id, self.state, self.cgroups = config, sandbox_id, state, cgroups
+        self.etc = etc_copy
         self.limits: SandboxLimits = config.limits
         self.workdir = config.workdir
         self.shell: ShellSession | None = None
@@ -93,8 +107,14 @@ class BwrapSandbox(ShellSandbox):
     async def start(cls, config) -> BwrapSandbox:
         PeriodicReaper.ensure_running()
         sandbox_id = f"swb-{uuid.uuid4().hex[:16]}"
-        state = (config.state_dir or state_root()) / sandbox_id
+        root = config.state_dir or state_root()
+        state = root / sandbox_id
         owner = Owner.me(config.limits.lifetime_s, episode=config.episode)
+        try:  # the extra read-only paths under /etc go into the copy, which bwrap binds read-only
+            etc_copy = await etc.current(root, etc_entries(config.ro_binds))
+        except (OSError, ValueError) as e:
+            raise SandboxError(f"cannot copy the host's /etc entries into {root / etc.FOLDER}: {e}") from e
+        owner.etc = etc_copy.name
         state.mkdir(parents=True)
         try:
             limits = config.limits
@@ -105,7 +125,7 @@ class BwrapSandbox(ShellSandbox):
             raise SandboxError(str(e)) from e
         owner.cgroups = [str(p) for p in cgroups.paths]
         owner.write(state)
-        sandbox = cls(config, sandbox_id, state, cgroups)
+        sandbox = cls(config, sandbox_id, state, cgroups, etc_copy)
         try:
             await sandbox._start_shell()
         except BaseException:
@@ -127,15 +147,14 @@ class BwrapSandbox(ShellSandbox):
         for link in ("bin", "sbin", "lib", "lib64"):
             target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
             argv += ["--symlink", target, f"/{link}"] if target else ["--ro-bind-try", f"/{link}", f"/{link}"]
-        for name in ETC_FILES:
-            if name == "resolv.conf" and net_fds is not None:
-                (self.state / name).write_text(f"nameserver {SLIRP_DNS}\n")
-                argv += ["--ro-bind", f"{VIEW}/{name}", "/etc/resolv.conf"]
-            else:
-                argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        argv += ["--ro-bind", ETC_VIEW, "/etc"]  # one bind of the host entries' copy, not one per entry
+        if net_fds is not None:
+            (self.state / "resolv.conf").write_text(f"nameserver {SLIRP_DNS}\n")
+            argv += ["--ro-bind", f"{VIEW}/resolv.conf", "/etc/resolv.conf"]
         argv += ["--ro-bind", f"{VIEW}/passwd", "/etc/passwd", "--ro-bind", f"{VIEW}/group", "/etc/group"]
         for path in cfg.ro_binds:
-            argv += ["--ro-bind", path, path]
+            if _under_etc(path) is None:
+                argv += ["--ro-bind", path, path]
         argv += ["--bind", f"{VIEW}/merged", self.workdir, "--bind", f"{VIEW}/rw/tmp", "/tmp",
                  "--remount-ro", "/", "--chdir", self.workdir, "--clearenv",
                  "--setenv", "PATH", path_with_env(self.workdir, SYSTEM_PATH), "--setenv", "HOME", "/tmp", "--setenv", "USER", "sandbox",
@@ -149,9 +168,11 @@ class BwrapSandbox(ShellSandbox):
         for sub in ("rw", "merged"):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(f"{self.state}/{sub}")
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(VIEW, 0o755)
+        for view in (VIEW, ETC_VIEW):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(view, 0o755)
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SWERVE_STATE": str(self.state), "SWERVE_VIEW": VIEW,
+               "SWERVE_ETC": str(self.etc), "SWERVE_ETC_VIEW": ETC_VIEW,
                "SWERVE_CGROUP_PROCS": " ".join(self.cgroups.procs_files),
                "SWERVE_DISK_MB": str(self.limits.disk_mb), "SWERVE_UID": str(host_uid()),
                "SWERVE_LOWER": str(self.config.root) if self.config.root else "",

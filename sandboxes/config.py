@@ -21,7 +21,8 @@ class BwrapSandboxConfig(BaseModel):
     workdir: str = "/work"
     limits: SandboxLimits = SandboxLimits()
     ro_binds: tuple[str, ...] = ()
-    """Extra host paths exposed read-only at the same place (e.g. a Python install)."""
+    """Extra host paths exposed read-only at the same place (e.g. a Python install); one under /etc
+    is copied into the sandbox's copy of /etc (sandboxes/etc.py), checked against the host as it is."""
     state_dir: Path | None = None
     """Where sandboxes keep their state. None: $SWERVE_SANDBOX_DIR or /tmp/swerve-sandboxes."""
     episode: str | None = None

@@ -10,7 +10,8 @@
  *   4. $SWERVE_STATE/merged: the overlay of SWERVE_LOWER on upper/, or SWERVE_LOWER bound as
  *      it is (SWERVE_WRITABLE), or upper/ bound when there is no lower layer;
  *   5. $SWERVE_STATE/passwd and group from SWERVE_PASSWD and SWERVE_GROUP;
- *   6. $SWERVE_STATE bound recursively on SWERVE_VIEW;
+ *   6. $SWERVE_STATE bound recursively on SWERVE_VIEW, and SWERVE_ETC (the copy of the host's
+ *      /etc entries, sandboxes/etc.py) on SWERVE_ETC_VIEW;
  *   7. become SWERVE_UID (real, effective and saved uid and gid), no supplementary groups, no
  *      inheritable or ambient capabilities (setpriv --reuid --regid --clear-groups
  *      --inh-caps=-all), then execute argv[1..] found on PATH.
@@ -84,6 +85,7 @@ int main(int argc, char **argv) {
     enum { N = PATH_MAX_LEN };
     char rw[N], upper[N], work[N], tmp[N], merged[N], file[N], options[3 * N + 64];
     const char *state = need("SWERVE_STATE"), *view = need("SWERVE_VIEW");
+    const char *etc = need("SWERVE_ETC"), *etc_view = need("SWERVE_ETC_VIEW");
     const char *lower = need("SWERVE_LOWER"), *writable = need("SWERVE_WRITABLE");
     const char *uid_text = need("SWERVE_UID"), *disk_mb = need("SWERVE_DISK_MB");
     char *procs = strdup(need("SWERVE_CGROUP_PROCS")), *end;
@@ -143,6 +145,8 @@ int main(int argc, char **argv) {
     write_file(file, need("SWERVE_GROUP"));
     if (mount(state, view, NULL, MS_BIND | MS_REC, NULL) < 0)
         die("bind %s on %s", state, view);
+    if (mount(etc, etc_view, NULL, MS_BIND, NULL) < 0)
+        die("bind %s on %s", etc, etc_view);
 
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct caps[_LINUX_CAPABILITY_U32S_3];

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from sandboxes import etc
 from sandboxes.cgroups import Cgroups
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Owner:
     kind: str = "sandbox"
     episode: str | None = None
     cgroups: list[str] = field(default_factory=list)
+    etc: str | None = None  # the copy of /etc it binds (sandboxes/etc.py)
 
     @classmethod
     def me(cls, lifetime_s: float, kind: str = "sandbox", episode: str | None = None) -> Owner:
@@ -89,12 +91,13 @@ def remove_state_now(folder: Path, cgroups: Cgroups | None) -> bool:
 def reap_local(root: Path | None = None, prefixes: tuple[str, ...] = ("swb-", ".build-")) -> list[str]:
     """Remove state folders whose owner died or whose lifetime is over; return their names.
 
-    Only folders named with `prefixes` are considered (sandboxes and image builds).
+    Only folders named with `prefixes` are considered (sandboxes and image builds). Copies of
+    /etc that no live sandbox binds go too, once unused for a while (sandboxes/etc.py).
     """
     root = root or state_root()
     if not root.is_dir():
         return []
-    reaped = []
+    reaped, in_use = [], set()
     for folder in root.iterdir():
         if not folder.name.startswith(prefixes) or not folder.is_dir():
             continue
@@ -108,9 +111,11 @@ def reap_local(root: Path | None = None, prefixes: tuple[str, ...] = ("swb-", ".
             logger.warning("unreadable sandbox owner record %s: %s", folder, e)
             owner = None
         if owner is not None and owner.alive() and not owner.expired():
+            in_use.add(owner.etc)
             continue
         remove_state(folder, owner)
         reaped.append(folder.name)
+    reaped += etc.prune(root, in_use)
     if reaped:
         logger.info("reaped %d sandbox folder(s)", len(reaped), extra={"reaped": reaped})
     return reaped
