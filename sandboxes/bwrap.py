@@ -1,5 +1,6 @@
 """bubblewrap sandboxes: Linux namespaces, a read-only system, a copy-on-write view of the
-task image, cgroup limits, a non-root user inside, and a persistent bash.
+task image, cgroup limits, a non-root user inside, and a persistent bash. The system is /usr and
+a copy of a few /etc entries (sandboxes/etc.py), each bound read-only once.
 
 The overlay and its tmpfs upper layer are mounted in a private mount namespace that dies
 with the sandbox, so nothing is ever mounted on the host. bubblewrap itself runs as an
