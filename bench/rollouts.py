@@ -9,16 +9,20 @@ processes it starts), the CPU of the processes it started and reaped (the sandbo
 and pytest grading), CPU per episode of the whole machine (PostgreSQL included), and the mean
 turn overhead beyond model latency and tool time.
 
+Every row is the worker's steady state: --warmup episodes (20) run first, not counted, behind which lie
+the worker's start-up, its imports and the tokenizer's first load (about 2.5 s of CPU, which a lone
+128 row counted as 1.6 ms a turn on 2026-12-07).
+
 With --profile FOLDER the worker is sampled by py-spy (100 Hz) during the last concurrency: a flame
 graph (worker.svg), the collapsed stacks (worker.txt), and the worker's CPU split into phases
 (a sample under envs/swe_env.grade is grading: its sandbox, patch and test run; any other goes to
 the innermost frame that names one: sandbox, database, Celery, agent loop with tokenizer and chat
-template, else other), and the CPU per turn without grading, which the issue's target leaves out. py-spy samples the thread holding the
+template; else, in asyncio's frames alone, the event loop's scheduling and polling; else other), and the CPU per turn without grading, which the issue's target leaves out. py-spy samples the thread holding the
 GIL (--gil): by default it counts every thread it finds runnable, and a thread blocked in a
 pipe write or waitpid without the GIL drew most samples while using little CPU (2026-12-04).
 
     .venv/bin/python bench/rollouts.py [--concurrency 64 128 256 512] [--turns 10] [--latency 1.0]
-                                       [--profile bench/profiles]
+                                       [--profile bench/profiles] [--warmup 20]
 """
 
 from __future__ import annotations
@@ -72,9 +76,15 @@ PHASES = [("sandbox", ("sandboxes/",)), ("grading", ("grading", "envs/harness", 
           ("agent loop", ("service/worker/", "envs/", "transformers/", "tokenizers/", "jinja2/", "service/fleet/"))]
 
 
+# the worker's event loop thread (service/worker/runtime.py), and asyncio's own frames: a sample in
+# nothing but these is the loop's scheduling and polling (before 2026-12-07 it counted as agent loop)
+LOOP_THREAD = "EpisodeRuntime._main"
+EVENT_LOOP = ("asyncio/", "selectors.py")
+
+
 def phase_split(collapsed: Path) -> dict[str, float]:
     """Fractions of the worker's sampled CPU per phase, from py-spy's collapsed stacks."""
-    counts: dict[str, float] = {name: 0.0 for name, _ in PHASES} | {"other": 0.0}
+    counts: dict[str, float] = {name: 0.0 for name, _ in PHASES} | {"event loop": 0.0, "other": 0.0}
     for line in collapsed.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack:
@@ -82,9 +92,10 @@ def phase_split(collapsed: Path) -> dict[str, float]:
         frames = stack.split(";")
         if any(GRADING in frame for frame in frames):
             phase = "grading"
-        else:
-            phase = next((name for frame in reversed(frames) for name, marks in PHASES
-                          if any(m in frame for m in marks)), "other")
+        else:  # the loop's own thread function is no phase: a sample in the loop itself is the event loop's
+            phase = next((name for frame in reversed(frames) if LOOP_THREAD not in frame for name, marks in PHASES
+                          if any(m in frame for m in marks)), None)
+            phase = phase or ("event loop" if any(m in f for f in frames for m in EVENT_LOOP) else "other")
         counts[phase] += float(n)
     total = sum(counts.values()) or 1.0
     return {k: v / total for k, v in counts.items()}
@@ -169,9 +180,11 @@ async def main(args) -> None:
         rows = []
         print(f"{args.turns} tool calls + submit per episode, {args.latency} s simulated model latency per turn, "
               f"{psutil.cpu_count()} CPUs")
+        if args.warmup:  # not counted: the worker's start-up (its imports and the tokenizer's first load)
+            await one(engine, supervisor, suite.suite_id, tokenizer, args.warmup, args.turns, 0.1, worker)
         for i, n in enumerate(args.concurrency):
             spy = None
-            if args.profile and i == len(args.concurrency) - 1:  # warm: the worker's start-up is behind it
+            if args.profile and i == len(args.concurrency) - 1:
                 args.profile.mkdir(parents=True, exist_ok=True)
                 pyspy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
                 spy = [subprocess.Popen([pyspy or "py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", fmt, "--gil",
@@ -226,4 +239,6 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--latency", type=float, default=1.0)
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="episodes run first and not counted, so that every row is the worker's steady state")
     asyncio.run(main(parser.parse_args()))
