@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
-import logging
 import os
 import shutil
 import stat
@@ -35,8 +34,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
              "localtime", "nsswitch.conf", "hosts", "resolv.conf", "mime.types", "gitconfig",
@@ -73,8 +70,8 @@ def signature(etc: Path = Path("/etc"), extra: tuple[str, ...] = ()) -> str:
                       f"{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode(errors="surrogateescape"))
 
     def walk(folder: str) -> None:
-        with os.scandir(folder) as entries:
-            for entry in sorted(entries, key=lambda e: e.name):
+        with os.scandir(folder) as found:
+            for entry in sorted(found, key=lambda e: e.name):
                 st = entry.stat(follow_symlinks=False)
                 add(entry.path, st)
                 if stat.S_ISDIR(st.st_mode):
