@@ -70,6 +70,25 @@ async def test_close_leaves_nothing(backend, tmp_path):
     assert leftovers(backend, tmp_path / "sandboxes", [sandbox_id]) == []
 
 
+async def test_close_leaves_nothing_when_the_processes_do_not_go_by_themselves(tmp_path, monkeypatch):
+    """bubblewrap's close waits a little for the namespace's processes to die with its init,
+    then kills what is left on a thread (freezing the cgroup): that path, with no wait at all."""
+    from sandboxes import bwrap
+    from tests.sandbox_fixtures import require_bwrap
+
+    require_bwrap()
+    monkeypatch.setattr(bwrap, "_SETTLE_S", ())
+    async with open_sandbox(make_config("bwrap", tmp_path)) as sb:
+        await sb.execute("sleep 4242.5 & setsid sleep 4242.5 & (nohup sleep 4242.5 &)")
+        for _ in range(100):  # a background command may not have executed sleep yet
+            if len(host_processes_with("4242.5")) == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert len(host_processes_with("4242.5")) == 3
+        sandbox_id = sb.id
+    assert leftovers("bwrap", tmp_path / "sandboxes", [sandbox_id]) == []
+
+
 async def test_a_network_that_cannot_come_up_fails_the_start_and_leaves_nothing(tmp_path, monkeypatch):
     """slirp4netns failing (a container without /dev/net/tun, as a Compose worker had) is an error
     naming it, at once: before, the sandbox's init waited on its block fd holding the shell's
