@@ -185,20 +185,22 @@ async def test_concurrent_claimers_never_share_a_group(migrated_pg_url):
 
 
 async def test_episodes_ending_at_the_same_time_make_their_group_ready_once(migrated_pg_url):
-    """The last episodes of a group ending at once, each on its own connection: whichever commits
-    last sees the others final, so every group becomes ready, with its oldest policy version."""
+    """The last episodes of a group ending at once, each on its own connection (a worker process
+    ends its episodes one at a time on a connection of its own: an engine each here): whichever
+    commits last sees the others final, so every group becomes ready, with its oldest policy
+    version."""
     from tests.conftest import _truncate_pg
 
     _truncate_pg(migrated_pg_url)
     engine = db.make_async_engine(migrated_pg_url, pool_size=8)
+    workers = [db.make_async_engine(migrated_pg_url, pool_size=1) for _ in range(6)]
     try:
-        buffer = Buffer(engine)
         groups = await make_groups(engine, 12, size=6, version=5)
         async with engine.begin() as conn:  # one episode of each group sampled from an older policy
             await conn.execute(sa.update(Episode).where(Episode.id.in_([e[3] for _, e in groups]))
                                .values(policy_version_min=3))
-        ended = await asyncio.gather(*(buffer.finish_episode(e, status="submitted", reward=1.0)
-                                       for _, episodes in groups for e in episodes))
+        ended = await asyncio.gather(*(Buffer(workers[i]).finish_episode(e, status="submitted", reward=1.0)
+                                       for _, episodes in groups for i, e in enumerate(episodes)))
         assert all(ended)
         async with engine.connect() as conn:
             rows = (await conn.execute(sa.select(Group.status, Group.min_policy_version, Group.ready_at)
@@ -207,6 +209,8 @@ async def test_episodes_ending_at_the_same_time_make_their_group_ready_once(migr
         assert all(r.ready_at is not None for r in rows)
     finally:
         await engine.dispose()
+        for worker in workers:
+            await worker.dispose()
 
 
 async def test_an_end_with_turns_missing_changes_nothing(buffer):
@@ -261,6 +265,74 @@ async def test_the_turn_writers_own_connection_comes_back_after_a_loss_and_close
                 break
             await asyncio.sleep(0.1)
         assert writers() == []
+    finally:
+        await engine.dispose()
+        admin.dispose()
+
+
+async def test_an_end_that_ends_nothing_says_why(buffer):
+    """An end with a turn count that ends nothing: a lost turn is TurnsLost only for the running
+    attempt; an episode already final, or a fenced-off attempt, is False whatever the count."""
+    from service.store.buffer import TurnsLost
+
+    [(group_id, [first, second])] = await make_groups(buffer.engine, 1)
+    async with buffer.engine.begin() as conn:
+        await conn.execute(sa.update(Episode).where(Episode.id == first).values(attempt=1))
+    await buffer.append_turn(first, turn(0), attempt=1)
+    assert not await buffer.finish_episode(first, attempt=0, status="submitted", n_turns=3)  # superseded
+    with pytest.raises(TurnsLost, match="3 turns produced, 1 stored"):
+        await buffer.finish_episode(first, attempt=1, status="submitted", n_turns=3)
+    assert await buffer.finish_episode(first, attempt=1, status="submitted", n_turns=1)
+    assert not await buffer.finish_episode(first, attempt=1, status="submitted", n_turns=5)  # final already
+    assert not await buffer.finish_episode(uuid.uuid4(), status="submitted", n_turns=0)  # no such episode
+    assert await buffer.finish_episode(second, status="max_turns", n_turns=0, report={"a": [1]}, guards=["g"],
+                                       segment_starts=[0])
+    async with buffer.engine.connect() as conn:
+        row = (await conn.execute(sa.select(Episode.report, Episode.guards, Episode.segment_starts)
+                                  .where(Episode.id == second))).one()
+        assert await conn.scalar(sa.select(Group.status).where(Group.id == group_id)) == "ready"
+    assert tuple(row) == ({"a": [1]}, ["g"], [0])
+
+
+async def test_the_episode_links_own_connection_comes_back_after_a_loss_and_closes_with_the_engine(migrated_pg_url):
+    """Episode starts and ends go through a connection of the process's own (one round trip
+    each): killed, the start or end on it fails as a lost connection (the worker retries it) and
+    the next opens another; disposing of the engine closes it."""
+    from service.store.buffer import _EpisodeLink
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url)
+    admin = db.make_engine(migrated_pg_url, isolation_level="AUTOCOMMIT")
+    mine = sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :name AND datname = current_database()")
+
+    def links() -> list[int]:
+        with admin.connect() as conn:
+            return list(conn.execute(mine, {"name": _EpisodeLink.NAME}).scalars())
+
+    try:
+        buffer = Buffer(engine)
+        [(_, [episode, other])] = await make_groups(engine, 1, size=2)
+        row, task = await buffer.episode_to_start(episode)
+        assert (row.status, row.attempt, task.instance_id, task.fail_to_pass) == ("running", 0, "t-0", ["x"])
+        [first] = links()
+        with admin.connect() as conn:
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
+        with pytest.raises(sa.exc.OperationalError):
+            await buffer.finish_episode(episode, attempt=0, status="submitted", n_turns=0)
+        assert await buffer.finish_episode(episode, attempt=0, status="submitted", n_turns=0)
+        assert await buffer.claim_attempt(other, seen_status="running", seen_attempt=1) is None  # not as seen
+        await buffer.append_turn(other, turn(0), attempt=0)
+        assert await buffer.claim_attempt(other, seen_status="running", seen_attempt=0) == 1  # a restart
+        async with engine.connect() as conn:  # its old attempt's turns went with the claim
+            assert await conn.scalar(sa.select(sa.func.count()).select_from(Turn).where(Turn.episode_id == other)) == 0
+        assert [p for p in links() if p != first] and len(links()) == 1
+        await engine.dispose()
+        for _ in range(50):  # a closed connection's backend exits a moment later
+            if not links():
+                break
+            await asyncio.sleep(0.1)
+        assert links() == []
     finally:
         await engine.dispose()
         admin.dispose()

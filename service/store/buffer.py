@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from service.store.db import libpq_url
 from service.store.records import TurnRecord, decode_array, encode_ids, encode_logprobs, encode_routed_experts
-from service.store.tables import Episode, Group, Policy, Run, Turn, utcnow
+from service.store.tables import Episode, Group, Policy, Run, Task, Turn, utcnow
 from service.store.status import EPISODE_FINAL, RUN_ACTIVE, EpisodeStatus, RunKind, RunStatus
 
 
@@ -296,50 +296,40 @@ TURN_WRITER = "swerve turn writer"
 """The application_name of a process's turn-writing connection (pg_stat_activity shows it)."""
 
 
-class _TurnWriter:
-    """Group commit of the turns a process's episodes append on PostgreSQL at the same time.
-    The first turn is written at once; turns that arrive while a write is in flight go together
-    in the next one: one transaction, one round trip and one connection for all of them, so a
-    worker with many episodes in flight pays a round trip per batch instead of per turn. Each
-    caller still learns what became of its own turn (stored, or not: a repeat or a fenced-off
-    attempt) or gets its own error: a batch the database refuses is written again turn by turn,
-    so one bad turn fails only its episode.
+class _Link:
+    """A process's own psycopg connection to an engine's database on the running loop, outside
+    the engine's pool: no checkout, ping, BEGIN and COMMIT around each use. Autocommit: a
+    pipeline of statements ended by one Sync runs as one transaction, committed at the Sync or
+    rolled back whole on an error (PostgreSQL's implicit transaction). Opened on first use; a
+    lost connection is dropped and the next use opens another; closed with the engine."""
 
-    The writer has a connection of its own, outside the engine's pool (its batches go one at a
-    time): no checkout, ping and reset around each batch, and synchronous_commit is set once. It
-    is in autocommit mode, and a batch is one pipeline of inserts ended by one Sync, which
-    PostgreSQL runs as one transaction (committed at the Sync, or rolled back whole on an error):
-    one round trip, where BEGIN (psycopg waits for it in a pipeline) and COMMIT made three. A
-    lost connection is dropped and the next batch opens another; it is closed with the engine."""
-
-    MAX_ROWS = 64
-    MAX_BYTES = 32 << 20
-    """A batch's bounds: a transaction of many large turns holds its connection and memory long."""
+    ATTR = ""
+    """The engine's attribute holding its link of this kind."""
+    NAME = ""
+    """The connection's application_name (pg_stat_activity shows it)."""
+    SETUP: tuple[str, ...] = ()
+    """Statements run once on a new connection."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.loop = asyncio.get_running_loop()
-        self.queue: list[tuple[dict, int | None, asyncio.Future]] = []
-        self.drainer: asyncio.Task | None = None
-        self.raw = None  # its psycopg.AsyncConnection, opened by the first batch
-        self.retired = False  # no longer its engine's (disposed, or moved to another loop): closes once drained
+        self.raw = None  # its psycopg.AsyncConnection, opened on first use
+        self.retired = False  # no longer its engine's (disposed, or moved to another loop)
 
     @classmethod
-    def of(cls, engine: AsyncEngine) -> _TurnWriter:
-        """The engine's writer on the running loop (an engine serves one loop at a time)."""
-        writer = getattr(engine.sync_engine, "_swerve_turn_writer", None)
-        if writer is None or writer.loop is not asyncio.get_running_loop():
-            if writer is not None:  # the engine moved to another loop: its writer's connection was the old one's
-                writer.retire()
-            if not sa.event.contains(engine.sync_engine, "engine_disposed", _close_turn_writer):
-                sa.event.listen(engine.sync_engine, "engine_disposed", _close_turn_writer)
-            writer = cls(engine)
-            engine.sync_engine._swerve_turn_writer = writer
-        return writer
+    def of(cls, engine: AsyncEngine):
+        """The engine's link of this kind on the running loop (an engine serves one loop at a time)."""
+        link = getattr(engine.sync_engine, cls.ATTR, None)
+        if link is None or link.loop is not asyncio.get_running_loop():
+            if link is not None:  # the engine moved to another loop: its connection was the old one's
+                link.retire()
+            if not sa.event.contains(engine.sync_engine, "engine_disposed", _close_links):
+                sa.event.listen(engine.sync_engine, "engine_disposed", _close_links)
+            link = cls(engine)
+            setattr(engine.sync_engine, cls.ATTR, link)
+        return link
 
     def retire(self) -> None:
-        """Close the connection, and again once batches still queued are written (a new writer
-        serves the engine from now on)."""
         self.retired = True
         self.close()
 
@@ -355,14 +345,93 @@ class _TurnWriter:
 
         if self.raw is None or self.raw.closed:
             raw = await psycopg.AsyncConnection.connect(libpq_url(self.engine.url), autocommit=True,
-                                                        application_name=TURN_WRITER)
+                                                        application_name=self.NAME)
             try:
-                await raw.execute("SET synchronous_commit TO OFF")
+                for statement in self.SETUP:
+                    await raw.execute(statement)
             except BaseException:
                 raw.pgconn.finish()
                 raise
             self.raw = raw
         return self.raw
+
+    def _failed(self, e, statement: str) -> sa.exc.DBAPIError:
+        """psycopg's error `e` as SQLAlchemy wraps it (a lost connection stays an
+        OperationalError, for db_retry), the connection dropped if it broke."""
+        import psycopg
+
+        if self.raw is not None and self.raw.broken:
+            self.close()
+        return sa.exc.DBAPIError.instance(statement, None, e, psycopg.Error, hide_parameters=True)
+
+
+class _EpisodeLink(_Link):
+    """Episode starts and ends on PostgreSQL: each a pipeline of statements in one round trip
+    and one transaction, on a connection of the process's own, one at a time. Through the
+    engine's pool a start took 6 round trips (ping, BEGIN, three statements, COMMIT) and an end
+    6, with SQLAlchemy's own work around each: a tenth of the worker's CPU at 11-turn episodes
+    (bench/rollouts.py, 2026-12-07). Its commits are synchronous (the turn writer's are not):
+    an episode's end is what makes its turns count."""
+
+    ATTR = "_swerve_episode_link"
+    NAME = "swerve episode link"
+
+    def __init__(self, engine: AsyncEngine):
+        super().__init__(engine)
+        self.lock = asyncio.Lock()
+
+    async def run(self, statements: list[tuple[str, dict]]) -> list[tuple[list, int]]:
+        """The statements as one transaction in one round trip: each one's rows (named tuples)
+        and row count."""
+        import psycopg
+        from psycopg.rows import namedtuple_row
+
+        async with self.lock:
+            try:
+                raw = await self._connection()
+                cursors = []
+                async with raw.pipeline():
+                    for statement, params in statements:
+                        cursor = raw.cursor(row_factory=namedtuple_row)
+                        await cursor.execute(statement, params)
+                        cursors.append(cursor)
+                out = [((await c.fetchall()) if c.description else [], c.rowcount) for c in cursors]
+                for c in cursors:
+                    await c.close()
+                return out
+            except psycopg.Error as e:
+                raise self._failed(e, statements[0][0]) from e
+            except BaseException:  # cut off (cancelled): the connection's state is unknown
+                self.close()
+                raise
+
+
+class _TurnWriter(_Link):
+    """Group commit of the turns a process's episodes append on PostgreSQL at the same time.
+    The first turn is written at once; turns that arrive while a write is in flight go together
+    in the next one: one transaction, one round trip and one connection for all of them, so a
+    worker with many episodes in flight pays a round trip per batch instead of per turn. Each
+    caller still learns what became of its own turn (stored, or not: a repeat or a fenced-off
+    attempt) or gets its own error: a batch the database refuses is written again turn by turn,
+    so one bad turn fails only its episode.
+
+    The writer has a connection of its own (a _Link: its batches go one at a time), with
+    synchronous_commit set once, and a batch is one pipeline of inserts ended by one Sync: one
+    transaction and one round trip, where BEGIN (psycopg waits for it in a pipeline) and COMMIT
+    made three. Retired, it closes its connection, and again once batches still queued are
+    written (a new writer serves the engine from then on)."""
+
+    ATTR = "_swerve_turn_writer"
+    NAME = TURN_WRITER
+    SETUP = ("SET synchronous_commit TO OFF",)
+    MAX_ROWS = 64
+    MAX_BYTES = 32 << 20
+    """A batch's bounds: a transaction of many large turns holds its connection and memory long."""
+
+    def __init__(self, engine: AsyncEngine):
+        super().__init__(engine)
+        self.queue: list[tuple[dict, int | None, asyncio.Future]] = []
+        self.drainer: asyncio.Task | None = None
 
     async def append(self, row: dict, attempt: int | None) -> bool:
         """Whether the turn was stored (False: a repeat, or `attempt` is not the running one)."""
@@ -434,21 +503,20 @@ class _TurnWriter:
                     for _ in params:
                         stored.append(cur.rowcount > 0)
                         cur.nextset()
-        except psycopg.Error as e:  # as SQLAlchemy wraps it: a lost connection stays an OperationalError
-            if self.raw is not None and self.raw.broken:
-                self.close()
-            raise sa.exc.DBAPIError.instance(_PG_APPEND, None, e, psycopg.Error, hide_parameters=True) from e
+        except psycopg.Error as e:
+            raise self._failed(e, _PG_APPEND) from e
         except BaseException:  # cancelled mid-batch: the connection is in an unknown state
             self.close()
             raise
         return stored
 
 
-def _close_turn_writer(engine: sa.Engine) -> None:
-    writer = getattr(engine, "_swerve_turn_writer", None)
-    if writer is not None:
-        writer.retire()
-        engine._swerve_turn_writer = None
+def _close_links(engine: sa.Engine) -> None:
+    for kind in (_TurnWriter, _EpisodeLink):
+        link = getattr(engine, kind.ATTR, None)
+        if link is not None:
+            link.retire()
+            setattr(engine, kind.ATTR, None)
 
 
 def _row_bytes(row: dict) -> int:
@@ -456,34 +524,56 @@ def _row_bytes(row: dict) -> int:
 
 
 @lru_cache(maxsize=64)
-def _episode_end(names: tuple[str, ...], fenced: bool, counted: bool) -> sa.Update:
+def _episode_end(names: tuple[str, ...], fenced: bool, counted: bool, checked: bool = False) -> sa.Update:
     """finish_episode's statement for these fields, built once: its values and ids are bound
     parameters (v_<field>, p_episode, p_attempt, p_now; no column's name, which an
     UPDATE would take for a value to set), so SQLAlchemy neither builds nor keys it per
     call. Returns the group's id, and with `counted` the episode's stored turns, read in the
-    same statement (its turns were all committed before)."""
+    same statement (its turns were all committed before); `checked` instead ends the episode
+    only if they are v_n_turns."""
     where = [Episode.id == sa.bindparam("p_episode"), _NOT_FINAL]
     if fenced:
         where.append(Episode.attempt == sa.bindparam("p_attempt"))
     returning = [Episode.group_id]
-    if counted:
-        returning.append(sa.select(sa.func.count()).select_from(Turn)
-                         .where(Turn.episode_id == sa.bindparam("p_episode")).scalar_subquery())
+    if checked:
+        where.append(_STORED_TURNS == sa.bindparam("v_n_turns"))
+    elif counted:
+        returning.append(_STORED_TURNS)
     return (sa.update(Episode).where(*where)
             .values(finished_at=sa.bindparam("p_now"), **{name: sa.bindparam(f"v_{name}") for name in names})
             .returning(*returning))
 
 
-_GROUP_ROW = sa.select(Group.id).where(Group.id == sa.bindparam("p_group"))
+_STORED_TURNS = (sa.select(sa.func.count()).select_from(Turn)
+                 .where(Turn.episode_id == sa.bindparam("p_episode")).scalar_subquery())
+_END_MISSED = sa.select(Episode.status, Episode.attempt, _STORED_TURNS).where(Episode.id == sa.bindparam("p_episode"))
+"""Why a checked end ended nothing: the episode as it is, and its stored turns."""
+_JSON_FIELDS = frozenset(c.name for c in Episode.__table__.columns if isinstance(c.type, sa.JSON))
+
+
+def _group_lock(group) -> sa.Select:
+    return sa.select(Group.id).where(Group.id == group)
+
+
+def _group_ready(group) -> sa.Update:
+    """The group becomes ready once none of its episodes is pending; statuses, oldest policy
+    and kind read by the statement."""
+    return (sa.update(Group).where(Group.id == group, Group.status == "pending",
+                                   ~sa.exists().where(Episode.group_id == group, _NOT_FINAL))
+            .values(status=sa.case((sa.select(Run.kind).where(Run.id == Group.run_id).scalar_subquery() == "eval",
+                                    "evaluated"), else_="ready"),
+                    ready_at=sa.bindparam("p_now"),
+                    min_policy_version=sa.select(sa.func.min(Episode.policy_version_min))
+                    .where(Episode.group_id == group).scalar_subquery()))
+
+
+_GROUP_ROW = _group_lock(sa.bindparam("p_group"))
 _GROUP_LOCK = _GROUP_ROW.with_for_update()
-_GROUP_READY = (  # once none of its episodes is pending; statuses, oldest policy and kind read by the statement
-    sa.update(Group).where(Group.id == sa.bindparam("p_group"), Group.status == "pending",
-                           ~sa.exists().where(Episode.group_id == sa.bindparam("p_group"), _NOT_FINAL))
-    .values(status=sa.case((sa.select(Run.kind).where(Run.id == Group.run_id).scalar_subquery() == "eval", "evaluated"),
-                           else_="ready"),
-            ready_at=sa.bindparam("p_now"),
-            min_policy_version=sa.select(sa.func.min(Episode.policy_version_min))
-            .where(Episode.group_id == sa.bindparam("p_group")).scalar_subquery()))
+_GROUP_READY = _group_ready(sa.bindparam("p_group"))
+_GROUP_OF = sa.select(Episode.group_id).where(Episode.id == sa.bindparam("p_episode")).scalar_subquery()
+_GROUP_LOCK_OF = _group_lock(_GROUP_OF).with_for_update()
+_GROUP_READY_OF = _group_ready(_GROUP_OF)
+"""_maybe_ready's statements for an episode's group, run after its end in one pipeline (PostgreSQL)."""
 
 
 _ATTEMPT_START = (sa.update(Episode).where(Episode.id == sa.bindparam("p_episode"),
@@ -492,6 +582,40 @@ _ATTEMPT_START = (sa.update(Episode).where(Episode.id == sa.bindparam("p_episode
                   .values(status="running", started_at=sa.bindparam("p_now"), heartbeat_at=sa.bindparam("p_now"),
                           attempt=sa.bindparam("p_next")))
 """start_attempt's claim: the episode as the worker saw it (status, attempt) becomes its next attempt."""
+_CLAIMED = _ATTEMPT_START.returning(Episode.id).cte("claimed")
+_ATTEMPT_RESTART = (sa.select(sa.func.count()).select_from(_CLAIMED).add_cte(
+    sa.delete(Turn).where(Turn.episode_id.in_(sa.select(_CLAIMED.c.id))).cte("gone")))
+"""A restart's claim and the old attempt's turns gone, in one statement (PostgreSQL): the
+turns go only if the claim was made, after the attempt moved."""
+
+_TO_START = (sa.select(Episode.status, Episode.attempt, Episode.heartbeat_at, Episode.task_id, Episode.run_id,
+                       Run.status.label("run_status"), Run.config)
+             .join(Run, Run.id == Episode.run_id).where(Episode.id == sa.bindparam("p_episode")))
+_TASK_TO_START = sa.select(Task).where(
+    Task.id == sa.select(Episode.task_id).where(Episode.id == sa.bindparam("p_episode")).scalar_subquery())
+"""What a worker reads to start an episode: the episode with its run, and its task's row."""
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A statement as psycopg runs it: its SQL, and the values of the parameters it was built
+    with (the literals SQLAlchemy made parameters of)."""
+
+    sql: str
+    fixed: dict
+
+    @classmethod
+    @lru_cache(maxsize=128)
+    def of(cls, statement) -> _Compiled:
+        from sqlalchemy.dialects.postgresql import psycopg
+
+        compiled = statement.compile(dialect=psycopg.dialect())
+        return cls(compiled.string, {name: bind.value for name, bind in compiled.binds.items()
+                                     if not name.startswith("%(") and bind.value is not None})
+
+    def __call__(self, params: dict) -> tuple[str, dict]:
+        return self.sql, {**self.fixed, **params}
+
 
 _HEARTBEAT_PG = (sa.update(Episode)
                  .where(Episode.id == sa.any_(sa.bindparam("p_ids", type_=ARRAY(sa.Uuid))), Episode.status == "running")
@@ -550,10 +674,12 @@ class Buffer:
         refuses the fields, TurnsLost if fewer than `n_turns` turns are stored."""
         if fields.get("status") not in EPISODE_FINAL:
             raise ValueError(f"status must be one of {EPISODE_FINAL}, got {fields.get('status')!r}")
-        statement = _episode_end(tuple(fields), attempt is not None, fields.get("n_turns") is not None)
         params = {"p_episode": episode_id, "p_attempt": attempt, "p_now": utcnow(),
                   **{f"v_{name}": storable(value) for name, value in fields.items()}}
         with _refusals(f"the end of episode {episode_id}"):
+            if self.engine.dialect.name == "postgresql":
+                return await self._finish_pg(episode_id, attempt, fields, params)
+            statement = _episode_end(tuple(fields), attempt is not None, fields.get("n_turns") is not None)
             async with self.engine.begin() as conn:
                 ended = (await conn.execute(statement, params)).first()
                 if ended is None:
@@ -562,6 +688,56 @@ class Buffer:
                     raise TurnsLost(f"episode {episode_id}: {fields['n_turns']} turns produced, {ended[1]} stored")
                 await self._maybe_ready(conn, ended[0])
         return True
+
+    async def _finish_pg(self, episode_id: uuid.UUID, attempt: int | None, fields: dict, params: dict) -> bool:
+        """finish_episode in one round trip (_EpisodeLink): the end, checked against the stored
+        turns in its own WHERE, then the group's lock and readiness (_maybe_ready's two
+        statements, the group found by the episode), one transaction. Where the end ended
+        nothing, a second look tells a lost turn from an episode already final or superseded."""
+        from psycopg.types.json import Jsonb
+
+        n_turns = fields.get("n_turns")
+        for name in _JSON_FIELDS.intersection(fields):
+            if params[f"v_{name}"] is not None:
+                params[f"v_{name}"] = Jsonb(params[f"v_{name}"])
+        end = _episode_end(tuple(fields), attempt is not None, False, n_turns is not None)
+        link = _EpisodeLink.of(self.engine)
+        (ended, _), _, _ = await link.run([_Compiled.of(end)(params), _Compiled.of(_GROUP_LOCK_OF)(params),
+                                           _Compiled.of(_GROUP_READY_OF)(params)])
+        if ended:
+            return True
+        if n_turns is not None:
+            [(missed, _)] = await link.run([_Compiled.of(_END_MISSED)(params)])
+            if missed and missed[0].status not in EPISODE_FINAL and attempt in (None, missed[0].attempt):
+                raise TurnsLost(f"episode {episode_id}: {n_turns} turns produced, {missed[0][2]} stored")
+        return False
+
+    async def episode_to_start(self, episode_id: uuid.UUID):
+        """What a worker needs to start the episode: the episode (status, attempt, heartbeat_at,
+        task_id, run_id, run_status, config) and its task's row; None if there is no such
+        episode. One round trip on PostgreSQL."""
+        params = {"p_episode": episode_id}
+        if self.engine.dialect.name == "postgresql":
+            (episode, _), (task, _) = await _EpisodeLink.of(self.engine).run(
+                [_Compiled.of(_TO_START)(params), _Compiled.of(_TASK_TO_START)(params)])
+        else:
+            async with self.engine.connect() as conn:
+                episode = (await conn.execute(_TO_START, params)).all()
+                task = (await conn.execute(_TASK_TO_START, params)).all()
+        return (episode[0], task[0]) if episode else None
+
+    async def claim_attempt(self, episode_id: uuid.UUID, *, seen_status: EpisodeStatus, seen_attempt: int) -> int | None:
+        """start_attempt in a transaction of its own (one statement on PostgreSQL)."""
+        if self.engine.dialect.name != "postgresql":
+            async with self.engine.begin() as conn:
+                return await self.start_attempt(conn, episode_id, seen_status=seen_status, seen_attempt=seen_attempt)
+        restart = seen_status == "running"
+        attempt = seen_attempt + restart
+        params = {"p_episode": episode_id, "p_status": seen_status, "p_attempt": seen_attempt, "p_next": attempt,
+                  "p_now": utcnow()}
+        [(rows, count)] = await _EpisodeLink.of(self.engine).run(
+            [_Compiled.of(_ATTEMPT_RESTART if restart else _ATTEMPT_START)(params)])
+        return attempt if (rows[0][0] if restart else count) == 1 else None
 
     async def _maybe_ready(self, conn: AsyncConnection, group_id: uuid.UUID) -> None:
         """The group becomes ready (evaluated, for an evaluation's) once none of its episodes is

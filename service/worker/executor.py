@@ -30,7 +30,7 @@ from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_to
 from service.worker.scripted import demonstration, oracle, replay
 from service.worker.config import RunConfig
 from service.store.tasks import task_from_row
-from service.store.tables import Episode, Run, Task, utcnow
+from service.store.tables import Run, utcnow
 from service.store.status import EPISODE_FINAL, GRADED, RUN_ACTIVE
 
 logger = logging.getLogger(__name__)
@@ -74,28 +74,22 @@ async def db_retry(make, what: str, budget_s: float = 300.0):
 
 async def _start(engine: AsyncEngine, episode_id: uuid.UUID):
     """Claim the episode for this worker as a new attempt; None if there is nothing to do
-    (final, or running under a live worker: a duplicate message)."""
-    async with engine.begin() as conn:
-        row = (await conn.execute(_EPISODE, {"p_episode": episode_id})).first()
-        if row is None or row.status in EPISODE_FINAL:
+    (final, or running under a live worker: a duplicate message). Two round trips: the
+    episode read with its run and task, then the claim, made only if the episode is still as
+    read (Buffer.start_attempt)."""
+    buffer = Buffer(engine)
+    found = await buffer.episode_to_start(episode_id)
+    if found is None or found[0].status in EPISODE_FINAL:
+        return None
+    row, task = found
+    if row.status == "running":  # a lost worker's attempt (stale heartbeat) starts over; a live one is left alone
+        timeout = RunConfig.model_validate(row.config).worker_timeout_s
+        if row.heartbeat_at is not None and _aware(row.heartbeat_at) > utcnow() - timedelta(seconds=timeout):
             return None
-        restart = row.status == "running"
-        if restart:  # a lost worker's attempt (stale heartbeat) starts over; a live one is left alone
-            timeout = RunConfig.model_validate(row.config).worker_timeout_s
-            if row.heartbeat_at is not None and _aware(row.heartbeat_at) > utcnow() - timedelta(seconds=timeout):
-                return None
-        attempt = await Buffer.start_attempt(conn, episode_id, seen_status=row.status, seen_attempt=row.attempt)
-        if attempt is None:
-            return None  # another worker got it first
-        task = (await conn.execute(_TASK, {"p_task": row.task_id})).one()
+    attempt = await buffer.claim_attempt(episode_id, seen_status=row.status, seen_attempt=row.attempt)
+    if attempt is None:
+        return None  # another worker got it first
     return row, task, attempt
-
-
-# built once, their ids bound per call: SQLAlchemy neither builds nor keys them per episode
-_EPISODE = (sa.select(Episode.status, Episode.attempt, Episode.heartbeat_at, Episode.task_id, Episode.run_id,
-                      Run.status.label("run_status"), Run.config)
-            .join(Run, Run.id == Episode.run_id).where(Episode.id == sa.bindparam("p_episode")))
-_TASK = sa.select(Task).where(Task.id == sa.bindparam("p_task"))
 
 
 def _aware(ts: datetime) -> datetime:
