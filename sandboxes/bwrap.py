@@ -72,7 +72,8 @@ set -e
 for f in $SWERVE_CGROUP_PROCS; do echo $$ > "$f"; done
 exec unshare --mount --propagation private -- sh -c '
 set -e
-mount -t tmpfs -o "size=${SWERVE_DISK_MB}m,mode=0755" swerve "$SWERVE_STATE/rw"
+mount -t tmpfs -o "size=${SWERVE_DISK_MB}m,mode=0755" swerve "$SWERVE_STATE"
+mkdir -m 0755 "$SWERVE_STATE/rw" "$SWERVE_STATE/merged"
 mkdir "$SWERVE_STATE/rw/upper" "$SWERVE_STATE/rw/work" "$SWERVE_STATE/rw/tmp"
 chmod 1777 "$SWERVE_STATE/rw/tmp"
 chown "$SWERVE_UID:$SWERVE_UID" "$SWERVE_STATE/rw/upper"
@@ -85,6 +86,7 @@ else
 fi
 printf %s "$SWERVE_PASSWD" > "$SWERVE_STATE/passwd"
 printf %s "$SWERVE_GROUP" > "$SWERVE_STATE/group"
+if [ -n "$SWERVE_RESOLV" ]; then printf %s "$SWERVE_RESOLV" > "$SWERVE_STATE/resolv.conf"; fi
 mount --rbind "$SWERVE_STATE" "$SWERVE_VIEW"
 mount --bind "$SWERVE_ETC" "$SWERVE_ETC_VIEW"
 exec setpriv --reuid="$SWERVE_UID" --regid="$SWERVE_UID" --clear-groups --inh-caps=-all -- "$@"' sh "$@"
@@ -157,8 +159,7 @@ class BwrapSandbox(ShellSandbox):
             target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
             argv += ["--symlink", target, f"/{link}"] if target else ["--ro-bind-try", f"/{link}", f"/{link}"]
         argv += ["--ro-bind", ETC_VIEW, "/etc"]  # one bind of the host entries' copy, not one per entry
-        if net_fds is not None:
-            (self.state / "resolv.conf").write_text(f"nameserver {SLIRP_DNS}\n")
+        if net_fds is not None:  # written by the launcher (SWERVE_RESOLV)
             argv += ["--ro-bind", f"{VIEW}/resolv.conf", "/etc/resolv.conf"]
         argv += ["--ro-bind", f"{VIEW}/passwd", "/etc/passwd", "--ro-bind", f"{VIEW}/group", "/etc/group"]
         for path in cfg.ro_binds:
@@ -174,9 +175,6 @@ class BwrapSandbox(ShellSandbox):
         return argv
 
     async def _start_shell(self) -> None:
-        for sub in ("rw", "merged"):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(f"{self.state}/{sub}")
         for view in (VIEW, ETC_VIEW):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(view, 0o755)
@@ -186,7 +184,8 @@ class BwrapSandbox(ShellSandbox):
                "SWERVE_DISK_MB": str(self.limits.disk_mb), "SWERVE_UID": str(host_uid()),
                "SWERVE_LOWER": str(self.config.root) if self.config.root else "",
                "SWERVE_WRITABLE": "1" if self.config.writable_root and self.config.root else "",
-               "SWERVE_PASSWD": PASSWD, "SWERVE_GROUP": GROUP}
+               "SWERVE_PASSWD": PASSWD, "SWERVE_GROUP": GROUP,
+               "SWERVE_RESOLV": f"nameserver {SLIRP_DNS}\n" if self.limits.network else ""}
         fds: dict[str, int] = {}
         if self.limits.network:
             (fds["info_r"], fds["info_w"]), (fds["block_r"], fds["block_w"]) = os.pipe(), os.pipe()

@@ -5,11 +5,15 @@
  * Run as root with the environment _LAUNCH reads and bwrap's argv as its own:
  *   1. join the sandbox's cgroups (each file of SWERVE_CGROUP_PROCS, separated by spaces);
  *   2. a private mount namespace (unshare --mount --propagation private);
- *   3. a tmpfs of SWERVE_DISK_MB MiB on $SWERVE_STATE/rw for every write: upper/, work/,
- *      tmp/ (mode 1777), upper/ owned by SWERVE_UID;
+ *   3. a tmpfs of SWERVE_DISK_MB MiB on $SWERVE_STATE itself, for every write and every file
+ *      of the sandbox's own: rw/upper/, rw/work/, rw/tmp/ (mode 1777), rw/upper/ owned by
+ *      SWERVE_UID (on the host the folder keeps its owner record alone: no folder or file
+ *      made and removed on the host's disk per sandbox, where ext4's inode allocator took
+ *      8% of the worker's CPU in mkdir, bench/rollouts.py 2026-12-07);
  *   4. $SWERVE_STATE/merged: the overlay of SWERVE_LOWER on upper/, or SWERVE_LOWER bound as
  *      it is (SWERVE_WRITABLE), or upper/ bound when there is no lower layer;
- *   5. $SWERVE_STATE/passwd and group from SWERVE_PASSWD and SWERVE_GROUP;
+ *   5. $SWERVE_STATE/passwd and group from SWERVE_PASSWD and SWERVE_GROUP, and resolv.conf
+ *      from SWERVE_RESOLV where it is set and not empty;
  *   6. $SWERVE_STATE bound recursively on SWERVE_VIEW, and SWERVE_ETC (the copy of the host's
  *      /etc entries, sandboxes/etc.py) on SWERVE_ETC_VIEW;
  *   7. become SWERVE_UID (real, effective and saved uid and gid), no supplementary groups, no
@@ -115,10 +119,12 @@ int main(int argc, char **argv) {
     path(tmp, rw, "tmp");
     path(merged, state, "merged");
     snprintf(options, sizeof options, "size=%sm,mode=0755", disk_mb);
-    if (mount("swerve", rw, "tmpfs", 0, options) < 0)
-        die("mount a tmpfs of %s MiB on %s", disk_mb, rw);
+    if (mount("swerve", state, "tmpfs", 0, options) < 0)
+        die("mount a tmpfs of %s MiB on %s", disk_mb, state);
     mode_t mask = umask(0);
     umask(mask);
+    if (mkdir(rw, 0755) < 0 || mkdir(merged, 0755) < 0)
+        die("mkdir in %s", state);
     if (mkdir(upper, 0777 & ~mask) < 0 || mkdir(work, 0777 & ~mask) < 0 || mkdir(tmp, 0777 & ~mask) < 0)
         die("mkdir in %s", rw);
     if (chmod(tmp, 01777) < 0)
@@ -143,6 +149,11 @@ int main(int argc, char **argv) {
     write_file(file, need("SWERVE_PASSWD"));
     path(file, state, "group");
     write_file(file, need("SWERVE_GROUP"));
+    const char *resolv = getenv("SWERVE_RESOLV");
+    if (resolv != NULL && *resolv != '\0') {
+        path(file, state, "resolv.conf");
+        write_file(file, resolv);
+    }
     if (mount(state, view, NULL, MS_BIND | MS_REC, NULL) < 0)
         die("bind %s on %s", state, view);
     if (mount(etc, etc_view, NULL, MS_BIND, NULL) < 0)

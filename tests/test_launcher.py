@@ -41,17 +41,20 @@ def _repo(path: Path) -> Path:
     return path
 
 
-async def _probe(config: BwrapSandboxConfig, state: Path) -> tuple[str, bool]:
+async def _probe(config: BwrapSandboxConfig, state: Path) -> tuple[str, bool, list[str]]:
     async with open_sandbox(config) as sb:
-        out = (await sb.execute(PROBE)).output
+        out = (await sb.execute(PROBE + "; cat /etc/resolv.conf")).output
         in_cgroups = sb.shell.proc.pid in sb.cgroups.procs()
-    return re.sub(r"swb-[0-9a-f]{16}", "SANDBOX", out).replace(str(state), "STATE"), in_cgroups
+        on_host = sorted(p.name for p in sb.state.iterdir())
+    return re.sub(r"swb-[0-9a-f]{16}", "SANDBOX", out).replace(str(state), "STATE"), in_cgroups, on_host
 
 
-@pytest.mark.parametrize("layout", ["overlay", "writable", "empty"])
+@pytest.mark.parametrize("layout", ["overlay", "writable", "empty", "network"])
 async def test_compiled_and_shell_launchers_start_the_same_sandbox(tmp_path, monkeypatch, layout):
     """Every mount branch of the launcher: the task image copy-on-write, bound writable (image
-    builds), or none. The two launchers' sandboxes look the same from inside, to the byte."""
+    builds), or none, and with a network (its resolv.conf written by the launcher). The two
+    launchers' sandboxes look the same from inside, to the byte. On the host, a live sandbox's
+    state folder holds its owner record alone: its files are in its own tmpfs."""
     seen = {}
     for how in ("compiled", "sh"):
         monkeypatch.setenv("SWERVE_SANDBOX_LAUNCHER", how)
@@ -61,8 +64,10 @@ async def test_compiled_and_shell_launchers_start_the_same_sandbox(tmp_path, mon
             subprocess.run(["chown", "-R", f"{host_uid()}:{host_uid()}", str(root)], check=True)
         state = tmp_path / f"state-{how}"
         config = BwrapSandboxConfig(root=root, writable_root=layout == "writable", state_dir=state,
-                                    limits=SandboxLimits(memory_mb=256, pids=64, disk_mb=64))
-        out, in_cgroups = await _probe(config, state)
+                                    limits=SandboxLimits(memory_mb=256, pids=64, disk_mb=64,
+                                                         network=layout == "network"))
+        out, in_cgroups, on_host = await _probe(config, state)
+        assert on_host == ["owner.json"], f"{how}: {on_host}"
         assert in_cgroups, f"{how}: the sandbox's processes are outside its cgroups"
         seen[how] = out.replace(str(root), "ROOT")
         if layout == "writable":
@@ -71,6 +76,8 @@ async def test_compiled_and_shell_launchers_start_the_same_sandbox(tmp_path, mon
             assert not (root / "new").exists()
     assert "uid=1000(sandbox)" in seen["compiled"] and "CapEff:\t0000000000000000" in seen["compiled"]
     assert "size=65536k" in seen["compiled"]  # the disk limit's tmpfs
+    if layout == "network":
+        assert "nameserver 10.0.2.3" in seen["compiled"]
     assert seen["compiled"] == seen["sh"]
 
 
