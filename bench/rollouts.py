@@ -13,7 +13,7 @@ Every row is the worker's steady state: --warmup episodes (20) run first, not co
 the worker's start-up, its imports and the tokenizer's first load (about 2.5 s of CPU, which a lone
 128 row counted as 1.6 ms a turn on 2026-12-07).
 
-With --profile FOLDER the worker is sampled by py-spy (100 Hz) during the last concurrency: a flame
+With --profile FOLDER the worker is sampled by py-spy (--rate, 100 Hz) during the last concurrency: a flame
 graph (worker.svg), the collapsed stacks (worker.txt), and the worker's CPU split into phases
 (a sample under envs/swe_env.grade is grading: its sandbox, patch and test run; any other goes to
 the innermost frame that names one: sandbox, database, Celery, agent loop with tokenizer and chat
@@ -115,6 +115,7 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
         "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls, "latency_s": latency},
         "agent": {"max_turns": turns + 2}})  # fmt: skip
     (worker_before, kids_before), machine_before = tree_cpu(worker), machine_cpu()
+    sys_before = worker.cpu_times().system
     started = time.perf_counter()
     run_id = await create_run(engine, cfg)
     supervisor.start(run_id)
@@ -131,6 +132,7 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
     wall = time.perf_counter() - started
     (worker_cpu, kids_cpu), machine = tree_cpu(worker), machine_cpu() - machine_before
     worker_cpu, kids_cpu = worker_cpu - worker_before, kids_cpu - kids_before
+    worker_sys = worker.cpu_times().system - sys_before
     async with engine.connect() as conn:
         counts = dict((await conn.execute(sa.select(Episode.status, sa.func.count()).where(Episode.run_id == run_id)
                                           .group_by(Episode.status))).all())
@@ -147,6 +149,7 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
             "wall_s": wall, "episodes_per_s": episodes / wall, "turns_per_s": n_turns / wall,
             "worker_cpu_ms_per_turn": 1000 * worker_cpu / max(n_turns, 1),
             "worker_cpu_ms_per_episode": 1000 * worker_cpu / max(episodes, 1),
+            "worker_system_share": worker_sys / max(worker_cpu, 1e-9),
             "children_cpu_ms_per_turn": 1000 * kids_cpu / max(n_turns, 1),
             "machine_cpu_s_per_episode": machine / max(episodes, 1),
             "turn_overhead_ms": 1000 * statistics.mean(gaps) if gaps else float("nan")}
@@ -163,6 +166,8 @@ async def main(args) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWERVE_")} | {
         "SWERVE_DATABASE_URL": url, "SWERVE_BROKER_URL": BROKER, "SWERVE_DATA_DIR": str(data),
         "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if args.event_loop:
+        env["SWERVE_WORKER_EVENT_LOOP"] = args.event_loop
     proc = None
     try:
         db.upgrade(url)
@@ -187,7 +192,7 @@ async def main(args) -> None:
             if args.profile and i == len(args.concurrency) - 1:
                 args.profile.mkdir(parents=True, exist_ok=True)
                 pyspy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-                spy = [subprocess.Popen([pyspy or "py-spy", "record", "--pid", str(proc.pid), "--rate", "100", "--format", fmt, "--gil",
+                spy = [subprocess.Popen([pyspy or "py-spy", "record", "--pid", str(proc.pid), "--rate", str(args.rate), "--format", fmt, "--gil",
                                          "-o", str(args.profile / f"worker.{ext}"), "--nonblocking"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                        for fmt, ext in (("raw", "txt"), ("flamegraph", "svg"))]
@@ -201,7 +206,7 @@ async def main(args) -> None:
             print(f"{n:5d} in flight: {row['episodes']} episodes {row['statuses']} in {row['wall_s']:.1f} s "
                   f"(peak running {row['peak_running']}): {row['episodes_per_s']:.2f} episodes/s, "
                   f"{row['turns_per_s']:.0f} turns/s, worker CPU {row['worker_cpu_ms_per_turn']:.2f} ms/turn "
-                  f"(+ {row['children_cpu_ms_per_turn']:.2f} ms/turn in the sandboxes and grading it started), "
+                  f"({row['worker_system_share']:.0%} in the kernel; + {row['children_cpu_ms_per_turn']:.2f} ms/turn in the sandboxes and grading it started), "
                   f"machine CPU {row['machine_cpu_s_per_episode']:.2f} s/episode, "
                   f"turn overhead {row['turn_overhead_ms']:.0f} ms", flush=True)
         base = rows[0]
@@ -239,6 +244,9 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--latency", type=float, default=1.0)
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--event-loop", choices=["uvloop", "asyncio"], default=None,
+                        help="the worker's event loop (SWERVE_WORKER_EVENT_LOOP); its default if not given")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy's samples a second with --profile")
     parser.add_argument("--warmup", type=int, default=20,
                         help="episodes run first and not counted, so that every row is the worker's steady state")
     asyncio.run(main(parser.parse_args()))

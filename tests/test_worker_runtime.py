@@ -9,6 +9,8 @@ import threading
 import time
 import weakref
 
+import pytest
+
 from service.config import Settings
 from service.worker.runtime import EpisodeRuntime
 
@@ -48,13 +50,15 @@ def test_a_pool_thread_waiting_on_the_loop_is_released_when_the_loop_stops_under
     assert time.monotonic() - begun < 5
 
 
-def test_an_episode_that_ends_is_not_cancelled_by_the_close(tmp_path):
-    runtime = EpisodeRuntime(Settings(data_dir=tmp_path))
+@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
+def test_an_episode_that_ends_is_not_cancelled_by_the_close(tmp_path, kind):
+    """On either event loop the setting names (uvloop's by default)."""
+    runtime = EpisodeRuntime(Settings(data_dir=tmp_path, worker_event_loop=kind))
 
     async def quick(engine, settings):
-        return 42
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
-    assert runtime.call(quick) == 42
+    assert runtime.call(quick) == kind
     runtime.close(timeout_s=5)
     assert runtime._waited == set()
 

@@ -19,11 +19,20 @@ from service.config import Settings
 logger = logging.getLogger(__name__)
 
 
+def new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """An event loop of `kind` (Settings.worker_event_loop)."""
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class EpisodeRuntime:
     def __init__(self, settings: Settings, pool_size: int = 16):
         self.settings = settings
         self.pool_size = pool_size
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(settings.worker_event_loop)
         self._ready = threading.Event()
         self._waited: set[Future] = set()
         """Futures that pool threads wait on: cancelled if the loop stops before they end."""
