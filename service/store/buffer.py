@@ -366,8 +366,9 @@ class _Link:
 
 
 class _EpisodeLink(_Link):
-    """Episode starts and ends on PostgreSQL: each a pipeline of statements in one round trip
-    and one transaction, on a connection of the process's own, one at a time. Through the
+    """Episode starts and ends (and the worker's heartbeats) on PostgreSQL: each a pipeline of
+    statements in one round trip and one transaction, on a connection of the process's own, one
+    at a time. Through the
     engine's pool a start took 6 round trips (ping, BEGIN, three statements, COMMIT) and an end
     6, with SQLAlchemy's own work around each: a tenth of the worker's CPU at 11-turn episodes
     (bench/rollouts.py, 2026-12-07). Its commits are synchronous (the turn writer's are not):
@@ -620,6 +621,7 @@ class _Compiled:
 _HEARTBEAT_PG = (sa.update(Episode)
                  .where(Episode.id == sa.any_(sa.bindparam("p_ids", type_=ARRAY(sa.Uuid))), Episode.status == "running")
                  .values(heartbeat_at=sa.bindparam("p_now")).returning(Episode.id, Episode.attempt))
+_RUN_STATUSES_PG = sa.select(Run.id, Run.status).where(Run.id == sa.any_(sa.bindparam("p_runs", type_=ARRAY(sa.Uuid))))
 
 
 class Buffer:
@@ -941,6 +943,19 @@ class Buffer:
         return dict((await conn.execute(
             sa.update(Episode).where(Episode.id.in_(episode_ids), Episode.status == "running")
             .values(heartbeat_at=utcnow()).returning(Episode.id, Episode.attempt))).all())
+
+    async def beat(self, episode_ids: list[uuid.UUID], run_ids: list[uuid.UUID]) -> tuple[dict, dict]:
+        """A worker's heartbeat: its running episodes marked alive, with their current attempts
+        (heartbeat), and its runs' statuses; one round trip on PostgreSQL (_EpisodeLink)."""
+        if self.engine.dialect.name == "postgresql":
+            (alive, _), (runs, _) = await _EpisodeLink.of(self.engine).run(
+                [_Compiled.of(_HEARTBEAT_PG)({"p_ids": episode_ids, "p_now": utcnow()}),
+                 _Compiled.of(_RUN_STATUSES_PG)({"p_runs": run_ids})])
+            return dict(alive), dict(runs)
+        async with self.engine.begin() as conn:
+            alive = await self.heartbeat(conn, episode_ids)
+            runs = dict((await conn.execute(sa.select(Run.id, Run.status).where(Run.id.in_(run_ids)))).all())
+        return alive, runs
 
     # Runs' ownership and ends: one orchestrator owns an active run under a lease.
 

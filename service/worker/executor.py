@@ -15,7 +15,6 @@ import weakref
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 
-import sqlalchemy as sa
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -30,7 +29,7 @@ from service.fleet.client import FleetConfig, ProviderError, VLLMClient, load_to
 from service.worker.scripted import demonstration, oracle, replay
 from service.worker.config import RunConfig
 from service.store.tasks import task_from_row
-from service.store.tables import Run, utcnow
+from service.store.tables import utcnow
 from service.store.status import EPISODE_FINAL, GRADED, RUN_ACTIVE
 
 logger = logging.getLogger(__name__)
@@ -196,7 +195,8 @@ async def _supervised(engine: AsyncEngine, run_id: uuid.UUID, episode_id: uuid.U
 
 class Heartbeat:
     """One heartbeat for all the episodes an event loop runs: every poll_s, one UPDATE marks
-    them alive and one SELECT reads their runs' statuses, however many episodes there are. An
+    them alive and one SELECT reads their runs' statuses (Buffer.beat: one round trip on
+    PostgreSQL), however many episodes there are. An
     episode whose run is being cancelled, or whose attempt is no longer the running one, is
     told through its stop future ("cancelled" / "superseded").
 
@@ -235,10 +235,8 @@ class Heartbeat:
             if not watched:
                 break
             try:
-                async with self.engine.begin() as conn:
-                    alive = await Buffer.heartbeat(conn, list({episode_id for episode_id, _ in watched}))
-                    runs = dict((await conn.execute(sa.select(Run.id, Run.status).where(
-                        Run.id.in_({run_id for run_id, _ in watched.values()})))).all())
+                alive, runs = await Buffer(self.engine).beat(list({episode_id for episode_id, _ in watched}),
+                                                             list({run_id for run_id, _ in watched.values()}))
             except (OperationalError, InterfaceError, PoolTimeout) as e:  # keep working; turns wait for it
                 logger.warning("heartbeat of %d episode(s) failed: %s", len(watched), str(e).splitlines()[0][:200])
                 continue
