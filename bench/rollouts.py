@@ -77,7 +77,8 @@ PHASES = [("sandbox", ("sandboxes/",)), ("grading", ("grading", "envs/harness", 
 
 
 # the worker's event loop thread (service/worker/runtime.py), and asyncio's own frames: a sample in
-# nothing but these is the loop's scheduling and polling (before 2026-12-07 it counted as agent loop)
+# nothing but these is the loop's scheduling and polling (before 2026-12-07 it counted as agent loop);
+# under uvloop the loop is C code, and such a sample ends in the thread's function itself
 LOOP_THREAD = "EpisodeRuntime._main"
 EVENT_LOOP = ("asyncio/", "selectors.py")
 
@@ -92,6 +93,8 @@ def phase_split(collapsed: Path) -> dict[str, float]:
         frames = stack.split(";")
         if any(GRADING in frame for frame in frames):
             phase = "grading"
+        elif LOOP_THREAD in frames[-1]:  # uvloop's run_forever, in C: its polling and scheduling
+            phase = "event loop"
         else:  # the loop's own thread function is no phase: a sample in the loop itself is the event loop's
             phase = next((name for frame in reversed(frames) if LOOP_THREAD not in frame for name, marks in PHASES
                           if any(m in frame for m in marks)), None)
