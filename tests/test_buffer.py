@@ -230,6 +230,21 @@ async def test_an_end_with_turns_missing_changes_nothing(buffer):
     assert (await buffer.stats())["ready"] == 1
 
 
+def _backends(admin, name: str) -> list[int]:
+    """The server processes of this database's connections named `name` (application_name)."""
+    with admin.connect() as conn:
+        return list(conn.execute(sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :name "
+                                         "AND datname = current_database()"), {"name": name}).scalars())
+
+
+async def _all_closed(admin, name: str) -> bool:
+    for _ in range(50):  # a closed connection's backend exits a moment later
+        if not _backends(admin, name):
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
 async def test_the_turn_writers_own_connection_comes_back_after_a_loss_and_closes_with_the_engine(migrated_pg_url):
     """Turns go through a connection of the writer's own, outside the pool: killed (a restart,
     a failover), the batch it was writing fails as a lost connection (the worker retries it)
@@ -240,11 +255,9 @@ async def test_the_turn_writers_own_connection_comes_back_after_a_loss_and_close
     _truncate_pg(migrated_pg_url)
     engine = db.make_async_engine(migrated_pg_url)
     admin = db.make_engine(migrated_pg_url, isolation_level="AUTOCOMMIT")
-    mine = sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :name AND datname = current_database()")
 
     def writers() -> list[int]:
-        with admin.connect() as conn:
-            return list(conn.execute(mine, {"name": TURN_WRITER}).scalars())
+        return _backends(admin, TURN_WRITER)
 
     try:
         buffer = Buffer(engine)
@@ -260,11 +273,7 @@ async def test_the_turn_writers_own_connection_comes_back_after_a_loss_and_close
         assert [p for p in writers() if p != first] and len(writers()) == 1
         assert await buffer.finish_episode(episode, attempt=0, status="submitted", n_turns=2)
         await engine.dispose()
-        for _ in range(50):  # a closed connection's backend exits a moment later
-            if not writers():
-                break
-            await asyncio.sleep(0.1)
-        assert writers() == []
+        assert await _all_closed(admin, TURN_WRITER)
     finally:
         await engine.dispose()
         admin.dispose()
@@ -304,11 +313,9 @@ async def test_the_episode_links_own_connection_comes_back_after_a_loss_and_clos
     _truncate_pg(migrated_pg_url)
     engine = db.make_async_engine(migrated_pg_url)
     admin = db.make_engine(migrated_pg_url, isolation_level="AUTOCOMMIT")
-    mine = sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :name AND datname = current_database()")
 
     def links() -> list[int]:
-        with admin.connect() as conn:
-            return list(conn.execute(mine, {"name": _EpisodeLink.NAME}).scalars())
+        return _backends(admin, _EpisodeLink.NAME)
 
     try:
         buffer = Buffer(engine)
@@ -328,11 +335,7 @@ async def test_the_episode_links_own_connection_comes_back_after_a_loss_and_clos
             assert await conn.scalar(sa.select(sa.func.count()).select_from(Turn).where(Turn.episode_id == other)) == 0
         assert [p for p in links() if p != first] and len(links()) == 1
         await engine.dispose()
-        for _ in range(50):  # a closed connection's backend exits a moment later
-            if not links():
-                break
-            await asyncio.sleep(0.1)
-        assert links() == []
+        assert await _all_closed(admin, _EpisodeLink.NAME)
     finally:
         await engine.dispose()
         admin.dispose()
