@@ -40,7 +40,10 @@ ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl",
              "python3", "python3.11", "debian_version", "os-release", "protocols", "services")
 # files bound over the copy in the sandbox (bwrap binds only onto what exists in a read-only /etc)
 MOUNT_POINTS = ("passwd", "group", "resolv.conf")
-RECHECK_S = 5.0
+RECHECK_S = 30.0
+"""A check costs 3.5-5 ms of CPU on an idle host and about twice that beside a busy event loop
+(py-spy: 0.6 ms of each 11-turn episode of bench/rollouts.py at 3.5 episodes/s with 5 s); a host
+change to /etc (a CA update) reaching new sandboxes within 30 s is soon enough."""
 GRACE_S = 120.0
 FOLDER = ".etc"  # under the state folder, beside the sandboxes' own
 _TMP = ".tmp-"
