@@ -368,11 +368,10 @@ class _Link:
 class _EpisodeLink(_Link):
     """Episode starts and ends (and the worker's heartbeats) on PostgreSQL: each a pipeline of
     statements in one round trip and one transaction, on a connection of the process's own, one
-    at a time. Through the
-    engine's pool a start took 6 round trips (ping, BEGIN, three statements, COMMIT) and an end
-    6, with SQLAlchemy's own work around each: a tenth of the worker's CPU at 11-turn episodes
-    (bench/rollouts.py, 2026-12-07). Its commits are synchronous (the turn writer's are not):
-    an episode's end is what makes its turns count."""
+    at a time. Through the engine's pool a start took 6 round trips (ping, BEGIN, three
+    statements, COMMIT) and an end 6, with SQLAlchemy's own work around each: a tenth of the
+    worker's CPU at 11-turn episodes (bench/rollouts.py, 2026-12-07). Its commits are synchronous
+    (the turn writer's are not): an episode's end is what makes its turns count."""
 
     ATTR = "_swerve_episode_link"
     NAME = "swerve episode link"
@@ -569,12 +568,15 @@ def _group_ready(group) -> sa.Update:
 
 
 _GROUP_ROW = _group_lock(sa.bindparam("p_group"))
-_GROUP_LOCK = _GROUP_ROW.with_for_update()
 _GROUP_READY = _group_ready(sa.bindparam("p_group"))
 _GROUP_OF = sa.select(Episode.group_id).where(Episode.id == sa.bindparam("p_episode")).scalar_subquery()
 _GROUP_LOCK_OF = _group_lock(_GROUP_OF).with_for_update()
 _GROUP_READY_OF = _group_ready(_GROUP_OF)
-"""_maybe_ready's statements for an episode's group, run after its end in one pipeline (PostgreSQL)."""
+"""An episode's group locked, then made ready, after its end in one pipeline (PostgreSQL). Two
+statements: the lock serialises the last two finishers of a group, and the update's check must
+be a statement of its own, begun after the lock is held, so that its snapshot sees the other
+finisher's committed end (read committed takes a snapshot per statement; a check inside the
+locking statement would see the one from before the wait)."""
 
 
 _ATTEMPT_START = (sa.update(Episode).where(Episode.id == sa.bindparam("p_episode"),
@@ -693,8 +695,8 @@ class Buffer:
 
     async def _finish_pg(self, episode_id: uuid.UUID, attempt: int | None, fields: dict, params: dict) -> bool:
         """finish_episode in one round trip (_EpisodeLink): the end, checked against the stored
-        turns in its own WHERE, then the group's lock and readiness (_maybe_ready's two
-        statements, the group found by the episode), one transaction. Where the end ended
+        turns in its own WHERE, then the group's lock and readiness (_GROUP_LOCK_OF and
+        _GROUP_READY_OF, the group found by the episode), one transaction. Where the end ended
         nothing, a second look tells a lost turn from an episode already final or superseded."""
         from psycopg.types.json import Jsonb
 
@@ -743,11 +745,8 @@ class Buffer:
 
     async def _maybe_ready(self, conn: AsyncConnection, group_id: uuid.UUID) -> None:
         """The group becomes ready (evaluated, for an evaluation's) once none of its episodes is
-        pending. Two statements: the lock serialises the last two finishers of a group, and the
-        update's check must be a statement of its own, begun after the lock is held, so that its
-        snapshot sees the other finisher's committed end (read committed takes a snapshot per
-        statement; a check inside the locking statement would see the one from before the wait)."""
-        await conn.execute(_GROUP_LOCK if conn.dialect.name == "postgresql" else _GROUP_ROW, {"p_group": group_id})
+        pending (SQLite, which serialises writers: PostgreSQL's ends lock the group, _finish_pg)."""
+        await conn.execute(_GROUP_ROW, {"p_group": group_id})
         await conn.execute(_GROUP_READY, {"p_group": group_id, "p_now": utcnow()})
 
     async def claim(self, n_groups: int, *, trainer_step: int, max_staleness: int,
@@ -935,25 +934,19 @@ class Buffer:
                                    heartbeat_at=None))
         await conn.execute(sa.delete(Turn).where(Turn.episode_id.in_(episode_ids)))
 
-    @staticmethod
-    async def heartbeat(conn: AsyncConnection, episode_ids: list[uuid.UUID]) -> dict[uuid.UUID, int]:
-        """Mark running episodes alive; their current attempts (a missing id is no longer running)."""
-        if conn.dialect.name == "postgresql":  # one array, not a parameter per episode to expand each beat
-            return dict((await conn.execute(_HEARTBEAT_PG, {"p_ids": episode_ids, "p_now": utcnow()})).all())
-        return dict((await conn.execute(
-            sa.update(Episode).where(Episode.id.in_(episode_ids), Episode.status == "running")
-            .values(heartbeat_at=utcnow()).returning(Episode.id, Episode.attempt))).all())
-
     async def beat(self, episode_ids: list[uuid.UUID], run_ids: list[uuid.UUID]) -> tuple[dict, dict]:
         """A worker's heartbeat: its running episodes marked alive, with their current attempts
-        (heartbeat), and its runs' statuses; one round trip on PostgreSQL (_EpisodeLink)."""
+        (a missing id is no longer running), and its runs' statuses; one round trip on
+        PostgreSQL (_EpisodeLink), the ids as arrays rather than a parameter each to expand."""
         if self.engine.dialect.name == "postgresql":
             (alive, _), (runs, _) = await _EpisodeLink.of(self.engine).run(
                 [_Compiled.of(_HEARTBEAT_PG)({"p_ids": episode_ids, "p_now": utcnow()}),
                  _Compiled.of(_RUN_STATUSES_PG)({"p_runs": run_ids})])
             return dict(alive), dict(runs)
         async with self.engine.begin() as conn:
-            alive = await self.heartbeat(conn, episode_ids)
+            alive = dict((await conn.execute(
+                sa.update(Episode).where(Episode.id.in_(episode_ids), Episode.status == "running")
+                .values(heartbeat_at=utcnow()).returning(Episode.id, Episode.attempt))).all())
             runs = dict((await conn.execute(sa.select(Run.id, Run.status).where(Run.id.in_(run_ids)))).all())
         return alive, runs
 
