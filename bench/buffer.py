@@ -122,9 +122,10 @@ async def ours(url: str, episodes: list[list[TurnRecord]], before: bool = True) 
 
 def _statements_before() -> tuple[str, str]:
     """A turn's INSERT as it was before 2026-12-04 evening (one statement per turn), fenced and not."""
-    from service.store.buffer import _PG_COLUMNS, _PG_VALUES as values
+    from service.store.buffer import _PG_COLUMNS
 
     names = ", ".join(_PG_COLUMNS)
+    values = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
     unfenced = f"INSERT INTO turns ({names}) VALUES ({values}) ON CONFLICT (episode_id, idx) DO NOTHING"
     fenced = (f"INSERT INTO turns ({names}) SELECT {values} WHERE EXISTS (SELECT 1 FROM episodes WHERE "
               "id = %(episode_id)s::uuid AND attempt = %(attempt)s::integer AND status = 'running' FOR SHARE) "

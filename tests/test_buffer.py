@@ -341,6 +341,95 @@ async def test_the_episode_links_own_connection_comes_back_after_a_loss_and_clos
         admin.dispose()
 
 
+async def test_a_link_closed_under_a_waiting_statement_fails_it_at_once(migrated_pg_url):
+    """A statement waiting for the server on a link's connection when the link closes (the
+    engine disposed under it) fails as a lost connection, not a wait for ever; the next
+    statement opens another connection."""
+    from service.store.buffer import _Compiled, _EpisodeLink
+
+    engine = db.make_async_engine(migrated_pg_url)
+    try:
+        link = _EpisodeLink.of(engine)
+        sleeping = asyncio.create_task(link.run([_Compiled.of(sa.select(sa.func.pg_sleep(30)))({})]))
+        await asyncio.sleep(0.5)
+        assert not sleeping.done()
+        link.close()
+        with pytest.raises(sa.exc.OperationalError):
+            await asyncio.wait_for(sleeping, 5)
+        [(rows, _)] = await link.run([_Compiled.of(sa.select(sa.literal(7).label("seven")))({})])
+        assert [r.seven for r in rows] == [7]
+    finally:
+        await engine.dispose()
+
+
+async def test_a_link_the_server_closes_while_idle_leaves_the_loop_and_the_next_use_reconnects(migrated_pg_url):
+    """The socket of an idle link stays on the loop: the server closing it (a restart, a
+    failover, an idle timeout) takes it off the loop, with no wake-ups while it is gone, and the
+    next turn goes through on a new connection."""
+    from service.store.buffer import TURN_WRITER, _TurnWriter
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url)
+    admin = db.make_engine(migrated_pg_url, isolation_level="AUTOCOMMIT")
+    try:
+        buffer = Buffer(engine)
+        [(_, [episode])] = await make_groups(engine, 1, size=1)
+        await buffer.append_turn(episode, turn(0), attempt=0)
+        conn = _TurnWriter.of(engine).conn
+        [first] = _backends(admin, TURN_WRITER)
+        with admin.connect() as c:
+            c.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
+        for _ in range(100):
+            if conn.fd < 0:
+                break
+            await asyncio.sleep(0.05)
+        assert conn.fd < 0 and conn.raw.closed
+        await buffer.append_turn(episode, turn(1), attempt=0)
+        assert _TurnWriter.of(engine).conn is not conn and _backends(admin, TURN_WRITER) != [first]
+        assert await buffer.finish_episode(episode, attempt=0, status="submitted", n_turns=2)
+    finally:
+        await engine.dispose()
+        admin.dispose()
+
+
+async def test_every_field_of_a_turn_is_stored_as_given_and_a_value_out_of_range_is_refused(migrated_pg_url):
+    """The turn writer encodes a turn's parameters itself (binary ids and arrays, text for the
+    rest): each column reads back what was given, and a number no column can take is a
+    StorageError from the database, as any refused write."""
+    from tests.conftest import _truncate_pg
+
+    _truncate_pg(migrated_pg_url)
+    engine = db.make_async_engine(migrated_pg_url)
+    try:
+        buffer = Buffer(engine)
+        [(_, [episode])] = await make_groups(engine, 1, size=1)
+        given = TurnRecord(idx=0, segment=2, input_ids=[7, 2**31 - 1, 0], output_ids=[5], output_logprobs=[-0.25],
+                           policy_version=-1, finish_reason="length", text="héllo ✓ \\ 'q' \"d\"",
+                           tool_call={"name": "bash", "arguments": {"command": "echo 'a'\n", "n": [1, 2.5, None]}},
+                           observation="line\n\ttab", generation_s=0.1, tool_s=1e-300, malformed_at=3,
+                           routed_experts=None)
+        before = utcnow()
+        await buffer.append_turn(episode, given, attempt=0)
+        async with engine.connect() as conn:
+            row = (await conn.execute(sa.select(Turn).where(Turn.episode_id == episode))).one()
+        assert (row.idx, row.segment, row.policy_version, row.finish_reason, row.text, row.tool_call, row.observation,
+                row.generation_s, row.tool_s, row.malformed_at, row.n_input_tokens, row.n_output_tokens) == (
+            0, 2, -1, "length", given.text, given.tool_call, given.observation, 0.1, 1e-300, 3, 3, 1)
+        assert row.routed_experts is None and before <= row.started_at.replace(tzinfo=before.tzinfo) <= utcnow()
+        assert decode_array(row.input_ids).tolist() == [7, 2**31 - 1, 0] and decode_array(row.output_logprobs).tolist() == [-0.25]
+        with pytest.raises(StorageError, match="out of range"):
+            await buffer.append_turn(episode, TurnRecord(**{**given.__dict__, "idx": 1, "policy_version": 2**31}),
+                                     attempt=0)
+        with pytest.raises(StorageError, match="turn 1 of episode"):
+            await buffer.append_turn(episode, TurnRecord(**{**given.__dict__, "idx": 1, "generation_s": "soon"}),
+                                     attempt=0)
+        await buffer.append_turn(episode, TurnRecord(**{**given.__dict__, "idx": 1}), attempt=0)  # the writer goes on
+        assert await buffer.finish_episode(episode, attempt=0, status="submitted", n_turns=2)
+    finally:
+        await engine.dispose()
+
+
 async def test_turns_appended_at_the_same_time_go_together_and_each_learns_its_own_fate(migrated_pg_url):
     """Group commit on PostgreSQL: the turns many episodes append at once are written in a few
     transactions, not one each, and every caller still gets its own outcome: stored exactly, a

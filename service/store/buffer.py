@@ -11,9 +11,11 @@ no bytes can fail a write. Light module: no FastAPI, no Celery.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import struct
 import uuid
+from collections import namedtuple
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -140,22 +142,55 @@ def _insert(conn: AsyncConnection):
     return pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
 
 
-_PG_COLUMNS = {  # column: type, cast explicitly (INSERT ... SELECT does not infer parameter types)
+_PG_COLUMNS = {  # column: type
     "episode_id": "uuid", "idx": "integer", "segment": "integer", "input_ids": "bytea", "output_ids": "bytea",
     "output_logprobs": "bytea", "routed_experts": "bytea", "n_input_tokens": "integer",
     "n_output_tokens": "integer", "policy_version": "integer", "finish_reason": "varchar", "text": "text",
     "tool_call": "jsonb", "observation": "text", "started_at": "timestamptz", "generation_s": "float8",
     "tool_s": "float8", "malformed_at": "integer"}
-_PG_VALUES = ", ".join(f"%({c})b::{t}" if t == "bytea" else f"%({c})s::{t}" for c, t in _PG_COLUMNS.items())
+_PG_APPEND_NAME = b"swerve_append_turn"
 # a turn with an attempt share-locks its episode's row: a restart (which moves the attempt, then
 # deletes the turns) waits for this turn, and the turn is refused once the attempt moved; a turn
-# without one (not the worker's) goes in unfenced. One statement for both kinds: a batch is one
-# pipeline of it, or one execute for a batch of one turn
-_PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) SELECT {_PG_VALUES} WHERE %(attempt)s::integer IS NULL OR EXISTS "
-              "(SELECT 1 FROM episodes e WHERE e.id = %(episode_id)s::uuid AND e.attempt = %(attempt)s::integer "
-              "AND e.status = 'running' FOR SHARE) ON CONFLICT (episode_id, idx) DO NOTHING RETURNING 1")
+# without one (not the worker's) goes in unfenced. One statement for both kinds, prepared once on
+# the turn writer's connection: $1.. are the columns in _PG_COLUMNS' order, then the attempt
+_ATTEMPT = f"${len(_PG_COLUMNS) + 1}"
+_PG_APPEND = (f"INSERT INTO turns ({', '.join(_PG_COLUMNS)}) "
+              f"SELECT {', '.join(f'${i}' for i in range(1, len(_PG_COLUMNS) + 1))} "
+              f"WHERE {_ATTEMPT}::integer IS NULL OR EXISTS (SELECT 1 FROM episodes e WHERE e.id = $1 "
+              f"AND e.attempt = {_ATTEMPT} AND e.status = 'running' FOR SHARE) "
+              "ON CONFLICT (episode_id, idx) DO NOTHING RETURNING 1")
 """A row back when the turn was stored: none for a repeat (of a stored turn, or of one earlier in
 the batch) or a fenced-off turn."""
+_PG_PREPARE = (f"PREPARE {_PG_APPEND_NAME.decode()} ({', '.join([*_PG_COLUMNS.values(), 'integer'])}) "
+               f"AS {_PG_APPEND}")
+_FLOAT8 = struct.Struct(">d")
+
+
+def _uuid_bytes(value) -> bytes:
+    return (value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))).bytes
+
+
+def _text(value) -> bytes:
+    return value.encode()
+
+
+def _integer(value) -> bytes:
+    return b"%d" % value  # as text: a value out of an integer's range is the server's to refuse, as any other
+
+
+_PG_ENCODE = {"uuid": (_uuid_bytes, 1), "integer": (_integer, 0), "bytea": (bytes, 1), "varchar": (_text, 0),
+              "text": (_text, 0), "jsonb": (lambda v: json.dumps(v).encode(), 0),
+              "timestamptz": (lambda v: v.isoformat().encode(), 0), "float8": (_FLOAT8.pack, 1)}
+"""How each column's value goes to the server: its bytes, and their format (1 binary, 0 text)."""
+_PG_ENCODERS = tuple((name, _PG_ENCODE[kind][0]) for name, kind in _PG_COLUMNS.items())
+_PG_FORMATS = [*(_PG_ENCODE[kind][1] for kind in _PG_COLUMNS.values()), 0]
+
+
+def _append_params(row: dict, attempt: int | None) -> list[bytes | None]:
+    """A turn's row as _PG_APPEND's parameters (None is NULL)."""
+    params = [None if (value := row[name]) is None else encode(value) for name, encode in _PG_ENCODERS]
+    params.append(None if attempt is None else b"%d" % attempt)
+    return params
 
 _TURN_COLUMNS = (Turn.episode_id, Turn.idx, Turn.segment, Turn.input_ids, Turn.output_ids,
                  Turn.output_logprobs, Turn.routed_experts, Turn.policy_version, Turn.malformed_at)
@@ -301,7 +336,13 @@ class _Link:
     the engine's pool: no checkout, ping, BEGIN and COMMIT around each use. Autocommit: a
     pipeline of statements ended by one Sync runs as one transaction, committed at the Sync or
     rolled back whole on an error (PostgreSQL's implicit transaction). Opened on first use; a
-    lost connection is dropped and the next use opens another; closed with the engine."""
+    lost connection is dropped and the next use opens another; closed with the engine.
+
+    Statements go through libpq directly (psycopg's `pq`), not through a cursor: a cursor's
+    query conversion, result handling and wait (a timer, a reader added and removed on the loop
+    each time) cost more than the statement's own libpq calls, about 0.2-0.6 ms of CPU a
+    statement (2026-12-07). The connection's socket stays on the loop as long as it is open;
+    what the server sends is taken in as it comes (_readable) and wakes whoever waits for it."""
 
     ATTR = ""
     """The engine's attribute holding its link of this kind."""
@@ -313,7 +354,7 @@ class _Link:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.loop = asyncio.get_running_loop()
-        self.raw = None  # its psycopg.AsyncConnection, opened on first use
+        self.conn: _Conn | None = None  # opened on first use
         self.retired = False  # no longer its engine's (disposed, or moved to another loop)
 
     @classmethod
@@ -334,16 +375,29 @@ class _Link:
         self.close()
 
     def close(self) -> None:
-        """Close the connection now, from any thread (libpq's own close: the loop that opened
-        it may be gone)."""
-        raw, self.raw = self.raw, None
-        if raw is not None and not raw.closed:
-            raw.pgconn.finish()
+        """Close the connection now, from any thread (the loop that opened it may be gone; from
+        another thread while that loop runs, the loop's own thread closes it)."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        try:
+            here = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            here = False
+        if here or not self.loop.is_running():
+            conn.close()
+            return
+        try:
+            self.loop.call_soon_threadsafe(conn.close)
+        except RuntimeError:  # the loop closed meanwhile: nothing of it to leave
+            conn.raw.pgconn.finish()
 
-    async def _connection(self):
+    async def _connection(self) -> _Conn:
         import psycopg
 
-        if self.raw is None or self.raw.closed:
+        if self.conn is not None and self.conn.raw.closed:
+            self.close()
+        if self.conn is None:
             raw = await psycopg.AsyncConnection.connect(libpq_url(self.engine.url), autocommit=True,
                                                         application_name=self.NAME)
             try:
@@ -352,17 +406,137 @@ class _Link:
             except BaseException:
                 raw.pgconn.finish()
                 raise
-            self.raw = raw
-        return self.raw
+            self.conn = _Conn(self.loop, raw)
+        return self.conn
 
     def _failed(self, e, statement: str) -> sa.exc.DBAPIError:
         """psycopg's error `e` as SQLAlchemy wraps it (a lost connection stays an
         OperationalError, for db_retry), the connection dropped if it broke."""
         import psycopg
 
-        if self.raw is not None and self.raw.broken:
+        if self.conn is not None and self.conn.raw.broken:
             self.close()
         return sa.exc.DBAPIError.instance(statement, None, e, psycopg.Error, hide_parameters=True)
+
+
+class _Conn:
+    """A link's connection on its loop. Statements go through libpq directly (psycopg's `pq`),
+    not through a cursor: a cursor's query conversion, result handling and wait (a timer, and a
+    reader added to the loop and removed again, each time) cost more than the statement's own
+    libpq calls, 0.2-0.6 ms of CPU a statement (2026-12-07). The socket stays on the loop while
+    the connection is open: what the server sends is taken in as it comes and wakes whoever
+    waits for it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, raw):
+        from psycopg.adapt import Transformer
+
+        self.loop, self.raw, self.pgconn = loop, raw, raw.pgconn
+        self.tx = Transformer(raw)  # parameters dumped and rows loaded as psycopg's cursors do
+        self.waiter: asyncio.Future | None = None  # a statement waiting for the server
+        self.fd = raw.pgconn.socket
+        loop.add_reader(self.fd, self._readable)
+
+    def close(self) -> None:
+        """On the loop's thread (or with the loop stopped)."""
+        import psycopg
+
+        fd, self.fd = self.fd, -1
+        if fd >= 0 and not self.loop.is_closed():
+            self.loop.remove_reader(fd)
+        self.pgconn.finish()
+        self._wake(psycopg.OperationalError("the connection was closed"))
+
+    def _readable(self) -> None:
+        """What the server sent, into libpq's buffer (the socket is no longer readable). A
+        connection the server closed leaves the loop."""
+        import psycopg
+
+        try:
+            self.pgconn.consume_input()
+        except psycopg.Error as e:
+            if self.fd >= 0:
+                self.loop.remove_reader(self.fd)
+                self.fd = -1
+            self._wake(e)
+            return
+        self._wake(None)
+
+    def _wake(self, error: BaseException | None) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(error)
+
+    async def _server(self) -> None:
+        """Until the server sends something (taken in by _readable)."""
+        if self.fd < 0:
+            import psycopg
+
+            raise psycopg.OperationalError("the connection to the server was lost")
+        self.waiter = self.loop.create_future()
+        if (error := await self.waiter) is not None:
+            raise error
+
+    async def _writable(self) -> None:
+        ready = self.loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self.loop.add_writer(self.fd, wake)
+        try:
+            await ready
+        finally:
+            self.loop.remove_writer(self.fd)
+
+    async def exchange(self, sends: list[tuple]) -> list:
+        """Each of `sends` (a libpq send method and its arguments: one statement) in one
+        transaction and one round trip; each one's last result. Several go as one pipeline
+        ended by one Sync; one alone is a statement of its own (its own transaction). The first
+        error among them is raised as psycopg's."""
+        from psycopg import errors, pq
+
+        pgconn = self.pgconn
+        if len(sends) == 1:
+            send, *args = sends[0]
+            send(*args)
+            await self._flush()
+            outcomes = [await self._results()]
+        else:
+            pgconn.enter_pipeline_mode()
+            for send, *args in sends:
+                send(*args)
+            pgconn.pipeline_sync()
+            await self._flush()
+            outcomes = [await self._results() for _ in sends]
+            await self._results()  # the Sync
+            pgconn.exit_pipeline_mode()
+        for results in outcomes:  # an error, then the pipeline's aborted rest
+            for result in results:
+                if result.status == pq.ExecStatus.FATAL_ERROR:
+                    raise errors.error_from_result(result, encoding=self.raw.info.encoding)
+        return [results[-1] for results in outcomes]
+
+    async def _flush(self) -> None:
+        """What libpq holds for the server, sent (what the server sends meanwhile is taken in by
+        _readable: a server blocked on its own full socket would never read the rest)."""
+        while self.pgconn.flush():
+            await self._writable()
+
+    async def _results(self) -> list:
+        """The next statement's results (up to the NULL that ends them), or a pipeline's Sync."""
+        from psycopg import pq
+
+        results = []
+        while True:
+            while self.pgconn.is_busy():
+                await self._server()
+            result = self.pgconn.get_result()
+            if result is None:
+                return results
+            results.append(result)
+            if result.status == pq.ExecStatus.PIPELINE_SYNC:
+                return results
 
 
 class _EpisodeLink(_Link):
@@ -371,7 +545,8 @@ class _EpisodeLink(_Link):
     at a time. Through the engine's pool a start took 6 round trips (ping, BEGIN, three
     statements, COMMIT) and an end 6, with SQLAlchemy's own work around each: a tenth of the
     worker's CPU at 11-turn episodes (bench/rollouts.py, 2026-12-07). Its commits are synchronous
-    (the turn writer's are not): an episode's end is what makes its turns count."""
+    (the turn writer's are not): an episode's end is what makes its turns count. Parameters are
+    dumped and rows loaded by psycopg's Transformer, as its cursors do."""
 
     ATTR = "_swerve_episode_link"
     NAME = "swerve episode link"
@@ -380,30 +555,38 @@ class _EpisodeLink(_Link):
         super().__init__(engine)
         self.lock = asyncio.Lock()
 
-    async def run(self, statements: list[tuple[str, dict]]) -> list[tuple[list, int]]:
+    async def run(self, statements: list[tuple[_Compiled, dict]]) -> list[tuple[list, int]]:
         """The statements as one transaction in one round trip: each one's rows (named tuples)
         and row count."""
         import psycopg
-        from psycopg.rows import namedtuple_row
 
         async with self.lock:
             try:
-                raw = await self._connection()
-                cursors = []
-                async with raw.pipeline():
-                    for statement, params in statements:
-                        cursor = raw.cursor(row_factory=namedtuple_row)
-                        await cursor.execute(statement, params)
-                        cursors.append(cursor)
-                out = [((await c.fetchall()) if c.description else [], c.rowcount) for c in cursors]
-                for c in cursors:
-                    await c.close()
+                conn = await self._connection()
+                pgconn, tx, sends = conn.pgconn, conn.tx, []
+                for compiled, params in statements:
+                    values = tx.dump_sequence(compiled.values(params), compiled.formats)
+                    sends.append((pgconn.send_query_params, compiled.sql, values, tx.types, tx.formats))
+                out = []
+                for result in await conn.exchange(sends):
+                    rows = []
+                    if result.ntuples:
+                        tx.set_pgresult(result)
+                        rows = tx.load_rows(0, result.ntuples, _row_type(tuple(
+                            result.fname(i).decode() for i in range(result.nfields)))._make)
+                    count = result.command_tuples
+                    out.append((rows, result.ntuples if count is None else count))
                 return out
             except psycopg.Error as e:
-                raise self._failed(e, statements[0][0]) from e
+                raise self._failed(e, statements[0][0].sql.decode()) from e
             except BaseException:  # cut off (cancelled): the connection's state is unknown
                 self.close()
                 raise
+
+
+@lru_cache(maxsize=64)
+def _row_type(names: tuple[str, ...]):
+    return namedtuple("Row", names, rename=True)
 
 
 class _TurnWriter(_Link):
@@ -423,7 +606,7 @@ class _TurnWriter(_Link):
 
     ATTR = "_swerve_turn_writer"
     NAME = TURN_WRITER
-    SETUP = ("SET synchronous_commit TO OFF",)
+    SETUP = ("SET synchronous_commit TO OFF", _PG_PREPARE)
     MAX_ROWS = 64
     MAX_BYTES = 32 << 20
     """A batch's bounds: a transaction of many large turns holds its connection and memory long."""
@@ -476,39 +659,36 @@ class _TurnWriter(_Link):
                 done.set_result(ok)
 
     async def _store(self, rows: list[tuple[dict, int | None]]) -> list[bool]:
-        """The turns in one transaction and one round trip: a batch of several is one pipeline
-        of _PG_APPEND ended by one Sync (see the class), a batch of one turn (most of them
-        unless many episodes append at once) one plain execute, without the pipeline's own work
-        per batch. A turn is durable once the server has it; waiting for its WAL flush on every
-        turn would cap a worker at a few hundred turns/s (episode ends stay synchronous, and an
-        episode end checks that all its turns are there).
+        """The turns in one transaction and one round trip: _PG_APPEND, prepared, through libpq
+        directly, with parameters encoded here (binary for ids and arrays, text for the rest).
+        A batch of several is one pipeline ended by one Sync (see the class); a batch of one
+        turn (most of them unless many episodes append at once) one plain statement. A turn is
+        durable once the server has it; waiting for its WAL flush on every turn would cap a
+        worker at a few hundred turns/s (episode ends stay synchronous, and an episode end
+        checks that all its turns are there).
 
-        (Measured 2026-12-04 night: one INSERT of arrays per batch cost the worker more CPU, as
-        psycopg dumps array elements in Python, and wrote large turns at 0.64x of COPY against
-        0.9x for the pipeline.)"""
+        psycopg's cursor cost about 1 ms of CPU a turn on a slow machine, 0.2 ms on a fast one
+        (its query conversion, parameter dumping, result handling and wait, each per statement),
+        most of a worker's CPU at 300-turn episodes; libpq's calls alone are a small part of it
+        (2026-12-07). (2026-12-04 night: one INSERT of arrays per batch cost the worker more CPU,
+        as psycopg dumps array elements in Python, and wrote large turns at 0.64x of COPY.)"""
         import psycopg
-        from psycopg.types.json import Jsonb
+        from psycopg import errors
 
-        params = [{**row, "tool_call": None if row["tool_call"] is None else Jsonb(row["tool_call"]),
-                   "attempt": attempt} for row, attempt in rows]
-        stored = []
         try:
-            raw = await self._connection()
-            async with raw.cursor() as cur:
-                if len(params) == 1:
-                    await cur.execute(_PG_APPEND, params[0])
-                    stored.append(cur.rowcount > 0)
-                else:  # a pipeline of its own, ended by one Sync
-                    await cur.executemany(_PG_APPEND, params, returning=True)
-                    for _ in params:
-                        stored.append(cur.rowcount > 0)
-                        cur.nextset()
+            try:
+                params = [_append_params(row, attempt) for row, attempt in rows]
+            except (TypeError, ValueError, AttributeError, struct.error) as e:  # refused as psycopg's dumping did
+                raise errors.DataError(f"a turn holds a value no column of its takes: {type(e).__name__}: {e}") from e
+            conn = await self._connection()
+            send = conn.pgconn.send_query_prepared
+            results = await conn.exchange([(send, _PG_APPEND_NAME, one, _PG_FORMATS) for one in params])
+            return [result.ntuples > 0 for result in results]
         except psycopg.Error as e:
             raise self._failed(e, _PG_APPEND) from e
         except BaseException:  # cancelled mid-batch: the connection is in an unknown state
             self.close()
             raise
-        return stored
 
 
 def _close_links(engine: sa.Engine) -> None:
@@ -601,11 +781,14 @@ _TASK_TO_START = sa.select(Task).where(
 
 @dataclass(frozen=True)
 class _Compiled:
-    """A statement as psycopg runs it: its SQL, and the values of the parameters it was built
-    with (the literals SQLAlchemy made parameters of)."""
+    """A statement as libpq runs it: its SQL with $1.. for its parameters, their names in that
+    order, and the values of the parameters it was built with (the literals SQLAlchemy made
+    parameters of)."""
 
-    sql: str
+    sql: bytes
+    names: tuple[str, ...]
     fixed: dict
+    formats: tuple
 
     @classmethod
     @lru_cache(maxsize=128)
@@ -613,11 +796,27 @@ class _Compiled:
         from sqlalchemy.dialects.postgresql import psycopg
 
         compiled = statement.compile(dialect=psycopg.dialect())
-        return cls(compiled.string, {name: bind.value for name, bind in compiled.binds.items()
-                                     if not name.startswith("%(") and bind.value is not None})
+        names: list[str] = []
 
-    def __call__(self, params: dict) -> tuple[str, dict]:
-        return self.sql, {**self.fixed, **params}
+        def number(match: re.Match) -> str:
+            if match.group(1) is None:
+                return "%"
+            if match.group(1) not in names:
+                names.append(match.group(1))
+            return f"${names.index(match.group(1)) + 1}"
+
+        from psycopg.adapt import PyFormat
+
+        sql = re.sub(r"%\((\w+)\)s|%%", number, compiled.string)
+        return cls(sql.encode(), tuple(names), {name: bind.value for name, bind in compiled.binds.items()
+                                               if not name.startswith("%(") and bind.value is not None},
+                   (PyFormat.AUTO,) * len(names))
+
+    def values(self, params: dict) -> list:
+        return [params[name] if name in params else self.fixed[name] for name in self.names]
+
+    def __call__(self, params: dict) -> tuple[_Compiled, dict]:
+        return self, params
 
 
 _HEARTBEAT_PG = (sa.update(Episode)
