@@ -138,7 +138,7 @@ async def _task_sandbox(task: Task, cfg: SWEEnvConfig, episode: str | None, limi
     """task_sandbox, and for grading the hidden tests a harness's image holds as a patch over
     the starting state ("" when they are in test_patch or in place)."""
     config = await sandbox_config(task, cfg, episode, limits, grading)
-    async with open_sandbox(config) as sandbox:
+    async with open_sandbox(config, urgent=grading) as sandbox:  # a graded episode ends sooner than a new one starts
         hidden = ""
         if config.type == "docker" and config.image == task.image:
             # a prebuilt image is used as it ships: its history is cut in every sandbox

@@ -93,7 +93,8 @@ class _Local:
     def __init__(self):
         self.lock = threading.Lock()
         self.held: dict[Path, set[int]] = {}
-        self.waiters: dict[Path, deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
+        self.waiters: dict[Path, deque[tuple[asyncio.AbstractEventLoop, asyncio.Future, bool]]] = {}
+        """FIFO, but urgent waiters (loop, future, True) go before the others."""
         self.given_back = 0
         """Slots this process gave back so far: a waiter that read it before its try and finds it
         moved tries again at once (the slot came back between its try and its wait)."""
@@ -118,7 +119,7 @@ class _Local:
         with self.lock:
             queue = self.waiters.get(folder)
             while queue:
-                loop, woken = queue.popleft()
+                loop, woken, _ = queue.popleft()
                 try:
                     loop.call_soon_threadsafe(self._deliver, folder, woken)
                     return
@@ -131,16 +132,20 @@ class _Local:
         else:
             woken.set_result(None)
 
-    async def wait(self, folder: Path, timeout: float | None, seen: int) -> None:
+    async def wait(self, folder: Path, timeout: float | None, seen: int, urgent: bool = False) -> None:
         """Until this process gives a slot of `folder` back, or at once if one came back since
         the caller read `seen` (holding()); polling finds the other processes'. TimeoutError
-        after `timeout` (None: no limit)."""
+        after `timeout` (None: no limit). An `urgent` waiter is woken before the others."""
         loop = asyncio.get_running_loop()
-        entry = (loop, loop.create_future())
+        entry = (loop, loop.create_future(), urgent)
         with self.lock:
             if self.given_back != seen:
                 return
-            self.waiters.setdefault(folder, deque()).append(entry)
+            queue = self.waiters.setdefault(folder, deque())
+            if urgent:  # behind the urgent ones already waiting, before every other
+                queue.insert(next((i for i, waiting in enumerate(queue) if not waiting[2]), len(queue)), entry)
+            else:
+                queue.append(entry)
         try:
             async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a cancel once woken
                 await entry[1]
@@ -201,9 +206,11 @@ def paced_creation() -> None:
 
 
 @asynccontextmanager
-async def admitted(what: str = "sandbox", pace: bool = True) -> AsyncIterator[None]:
+async def admitted(what: str = "sandbox", pace: bool = True, urgent: bool = False) -> AsyncIterator[None]:
     """Wait for a live slot and a start instant (`pace`: False for a sandbox already made, whose
-    making took its instant), hold the slot until the block ends."""
+    making took its instant), hold the slot until the block ends. An `urgent` sandbox (an
+    episode's grading: the episode is done but for it) takes the first slot this process gives
+    back, before the sandboxes of episodes not yet started."""
     folder, limit, rate = _folder(), max_live(), starts_per_s()
     asked, delay, warned = time.monotonic(), 0.02, False
     while True:
@@ -219,7 +226,7 @@ async def admitted(what: str = "sandbox", pace: bool = True) -> AsyncIterator[No
         # waiter; no polling meanwhile (at 256 episodes over 64 slots the polls' timeouts were 3%
         # of a worker's CPU, 2026-12-07)
         try:
-            await _local.wait(folder, None if len(skip) >= limit else delay * (0.5 + random.random()), seen)
+            await _local.wait(folder, None if len(skip) >= limit else delay * (0.5 + random.random()), seen, urgent)
         except TimeoutError:
             delay = min(delay * 2, 1.0)
     slot, fd = got

@@ -76,14 +76,15 @@ class SandboxLimits(BaseModel):
 
 
 @asynccontextmanager
-async def open_sandbox(config) -> AsyncIterator[Sandbox]:
+async def open_sandbox(config, urgent: bool = False) -> AsyncIterator[Sandbox]:
     """Start a sandbox from a config with a build() method once the host admits it (a live
-    slot and a start instant, sandboxes/admission.py); close it whatever happens."""
+    slot and a start instant, sandboxes/admission.py; `urgent`: before this process's other
+    waiting sandboxes); close it whatever happens."""
     from sandboxes.admission import admitted
 
     # a sandbox handed out ready-made (Docker's warm pool) took its start instant when it was made
     ready = getattr(config, "ready_made", None)
-    async with admitted(getattr(config, "type", "sandbox"), pace=not (ready is not None and ready())):
+    async with admitted(getattr(config, "type", "sandbox"), pace=not (ready is not None and ready()), urgent=urgent):
         sandbox = await config.build()
         try:
             yield sandbox

@@ -228,9 +228,9 @@ async def test_a_waiter_for_slots_all_held_in_the_process_does_not_poll(tmp_path
     monkeypatch.setenv("SWERVE_SANDBOX_STARTS_PER_S", "1000")
     waits, wait = [], admission._local.wait
 
-    async def counted(folder, timeout, seen):
+    async def counted(folder, timeout, seen, urgent=False):
         waits.append(timeout)
-        return await wait(folder, timeout, seen)
+        return await wait(folder, timeout, seen, urgent)
 
     monkeypatch.setattr(admission._local, "wait", counted)
     release, entered = asyncio.Event(), asyncio.Event()
@@ -251,3 +251,28 @@ async def test_a_waiter_for_slots_all_held_in_the_process_does_not_poll(tmp_path
     await asyncio.wait_for(waiting, 5)
     await second.__aexit__(None, None, None)
     assert waits == [None]
+
+
+async def test_an_urgent_waiter_takes_the_next_slot_before_those_that_waited_longer(tmp_path):
+    """An episode's grading sandbox (urgent: its episode is done but for it) goes before this
+    process's sandboxes of episodes not yet started, first come first served among each kind:
+    in strict arrival order a grading waited behind every new episode (64 slots, 128 episodes in
+    flight: a sixth of the throughput lost, 2026-12-07)."""
+    local, folder, woken = admission._Local(), tmp_path, []
+
+    async def waiter(name: str, urgent: bool) -> None:
+        await local.wait(folder, None, seen=0, urgent=urgent)
+        woken.append(name)
+
+    order = [("new-1", False), ("new-2", False), ("grade-1", True), ("new-3", False), ("grade-2", True)]
+    tasks = []
+    for name, urgent in order:
+        tasks.append(asyncio.create_task(waiter(name, urgent)))
+        await asyncio.sleep(0)  # each queued in turn
+    for k in range(len(order)):
+        local.took(folder, k)
+        local.give_back(folder, k, os.open(tmp_path / f"live-{k}.lock", os.O_RDWR | os.O_CREAT, 0o600))
+        await asyncio.sleep(0.05)
+        assert len(woken) == k + 1
+    assert woken == ["grade-1", "grade-2", "new-1", "new-2", "new-3"]
+    await asyncio.gather(*tasks)
