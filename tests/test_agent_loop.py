@@ -326,3 +326,24 @@ def test_a_first_prompt_is_encoded_once_and_given_out_as_a_fresh_list(tokenizer)
     other = [first[0], {"role": "user", "content": "g(2) gives 3, not 4"}]
     assert renderer.initial(other) == want(other)
     assert len(calls) == 2
+
+
+async def test_scripted_samplers_of_a_tokenizer_encode_each_text_once_and_hand_out_lists_of_their_own(tokenizer, monkeypatch):
+    """A model hands back ids; a process's scripted episodes (load tests, oracle runs) replay the
+    same calls: each text is encoded once per tokenizer, and each turn still gets a list of its
+    own (the loop extends what it is given)."""
+    from service.worker import scripted
+
+    encoded = []
+    monkeypatch.setattr(scripted, "_ENCODERS", scripted.weakref.WeakKeyDictionary())
+    encoder = scripted.text_encoder
+    monkeypatch.setattr(scripted, "text_encoder", lambda tok: (lambda text, e=encoder(tok): encoded.append(text) or e(text)))
+    call = tool_call_text("bash", {"command": "ls"})
+    outs = []
+    for _ in range(3):
+        sampler = ScriptedSampler(tokenizer, [call])
+        outs += [(await sampler.generate([1], None)).output_ids for _ in range(2)]  # the call, then a submit
+    assert encoded == [call, tool_call_text("submit", {})]
+    assert outs[0] == outs[2] == outs[4] and outs[0] is not outs[2] and outs[0][-1] == sampler.eos_id
+    outs[0].append(7)
+    assert outs[2][-1] == sampler.eos_id

@@ -10,11 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
+from functools import lru_cache
 
 from envs.task import Task
 from service.fleet.client import Generation, SamplingParams, text_encoder
 
 GOLD_PATH = "/tmp/.swerve_gold.patch"
+
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _scripted_ids(tokenizer):
+    """The ids of a scripted text in this tokenizer, as a tuple, encoded once per process and
+    tokenizer (up to 4096 texts): a model hands back ids and encodes nothing, and a process's
+    episodes replay the same calls (per sampler, the encodes and text_encoder's probe were 2% of
+    the worker's py-spy samples at 11-turn episodes, bench/rollouts.py, 2026-12-07)."""
+    try:
+        return _ENCODERS[tokenizer]
+    except KeyError:
+        encode = text_encoder(tokenizer)
+        ids = _ENCODERS[tokenizer] = lru_cache(maxsize=4096)(lambda text: tuple(encode(text)))
+        return ids
+    except TypeError:  # a tokenizer no weak reference can hold: encoded per sampler
+        encode = text_encoder(tokenizer)
+        return lambda text: tuple(encode(text))
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
@@ -27,11 +47,7 @@ class ScriptedSampler:
     def __init__(self, tokenizer, actions: list[str], name: str = "replay", latency_s: float = 0.0):
         self.tok, self.actions, self.name, self.latency_s = tokenizer, list(actions), name, latency_s
         self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.encode = text_encoder(tokenizer)
-        self._ids: dict[str, list[int]] = {}
-        """Each scripted text's ids, encoded once: a model hands back ids and encodes nothing, and
-        a load test replays one call hundreds of times (its encodes were 8% of the worker's py-spy
-        samples at 300 turns, bench/rollouts.py)."""
+        self.ids = _scripted_ids(tokenizer)
         self.calls = 0
 
     async def generate(self, token_ids: list[int], sampling: SamplingParams, *,
@@ -40,9 +56,7 @@ class ScriptedSampler:
             await asyncio.sleep(self.latency_s)
         text = self.actions[self.calls] if self.calls < len(self.actions) else tool_call_text("submit", {})
         self.calls += 1
-        if (ids := self._ids.get(text)) is None:
-            ids = self._ids[text] = self.encode(text) + [self.eos_id]
-        ids = list(ids)  # the loop keeps what it is given
+        ids = [*self.ids(text), self.eos_id]  # a list of its own: the loop keeps what it is given
         return Generation(output_ids=ids, output_logprobs=[0.0] * len(ids), finish_reason="stop",
                           policy_version=-1, policy_version_end=-1, server=self.name,
                           prompt_tokens=len(token_ids))
