@@ -82,6 +82,7 @@ def test_what_a_worker_holds_once_started_and_once_a_tokenizer_is_loaded_leaves_
     from service.worker import executor
 
     gc.unfreeze()
+    thresholds = gc.get_threshold()
     try:
         held, dropped = [_Box() for _ in range(100)], _Box()
         gone = weakref.ref(dropped)
@@ -91,6 +92,8 @@ def test_what_a_worker_holds_once_started_and_once_a_tokenizer_is_loaded_leaves_
             tracked = {id(o) for o in gc.get_objects()}
             assert all(_frozen(b, tracked) for b in held) and _frozen(dropped, tracked)
             assert not _frozen(later, tracked)
+            # what is not frozen (the episodes' token lists) is walked by every full collection: rarer ones
+            assert gc.get_threshold() == (executor.YOUNG_COLLECTION_EVERY, *thresholds[1:])
             del dropped
             assert gone() is None  # reference counting still frees it
         finally:
@@ -105,3 +108,4 @@ def test_what_a_worker_holds_once_started_and_once_a_tokenizer_is_loaded_leaves_
         assert _frozen(before_renderer, tracked) and not _frozen(after_renderer, tracked)
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
