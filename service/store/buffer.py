@@ -336,13 +336,8 @@ class _Link:
     the engine's pool: no checkout, ping, BEGIN and COMMIT around each use. Autocommit: a
     pipeline of statements ended by one Sync runs as one transaction, committed at the Sync or
     rolled back whole on an error (PostgreSQL's implicit transaction). Opened on first use; a
-    lost connection is dropped and the next use opens another; closed with the engine.
-
-    Statements go through libpq directly (psycopg's `pq`), not through a cursor: a cursor's
-    query conversion, result handling and wait (a timer, a reader added and removed on the loop
-    each time) cost more than the statement's own libpq calls, about 0.2-0.6 ms of CPU a
-    statement (2026-12-07). The connection's socket stays on the loop as long as it is open;
-    what the server sends is taken in as it comes (_readable) and wakes whoever waits for it."""
+    lost connection is dropped and the next use opens another; closed with the engine. Its
+    statements go through libpq directly (_Conn)."""
 
     ATTR = ""
     """The engine's attribute holding its link of this kind."""
@@ -497,20 +492,24 @@ class _Conn:
         from psycopg import errors, pq
 
         pgconn = self.pgconn
-        if len(sends) == 1:
-            send, *args = sends[0]
-            send(*args)
-            await self._flush()
-            outcomes = [await self._results()]
-        else:
-            pgconn.enter_pipeline_mode()
-            for send, *args in sends:
+        try:
+            if len(sends) == 1:
+                send, *args = sends[0]
                 send(*args)
-            pgconn.pipeline_sync()
-            await self._flush()
-            outcomes = [await self._results() for _ in sends]
-            await self._results()  # the Sync
-            pgconn.exit_pipeline_mode()
+                await self._flush()
+                outcomes = [await self._results()]
+            else:
+                pgconn.enter_pipeline_mode()
+                for send, *args in sends:
+                    send(*args)
+                pgconn.pipeline_sync()
+                await self._flush()
+                outcomes = [await self._results() for _ in sends]
+                await self._results()  # the Sync
+                pgconn.exit_pipeline_mode()
+        except BaseException:  # cut off mid-exchange (lost, cancelled): the connection's state is unknown
+            self.close()
+            raise
         for results in outcomes:  # an error, then the pipeline's aborted rest
             for result in results:
                 if result.status == pq.ExecStatus.FATAL_ERROR:
