@@ -461,17 +461,22 @@ class _Conn:
         if waiter is not None and not waiter.done():
             waiter.set_result(error)
 
-    async def _server(self) -> None:
-        """Until the server sends something (taken in by _readable)."""
+    def _lost(self) -> None:
+        """A connection whose socket left the loop (the server closed it) fails as a lost one."""
         if self.fd < 0:
             import psycopg
 
             raise psycopg.OperationalError("the connection to the server was lost")
+
+    async def _server(self) -> None:
+        """Until the server sends something (taken in by _readable)."""
+        self._lost()
         self.waiter = self.loop.create_future()
         if (error := await self.waiter) is not None:
             raise error
 
     async def _writable(self) -> None:
+        self._lost()  # not add_writer(-1)'s ValueError, which no caller takes for a lost connection
         ready = self.loop.create_future()
 
         def wake() -> None:
