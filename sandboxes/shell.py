@@ -133,7 +133,13 @@ class Channel:
     shell's part of a command's CPU.) Past twice `limit` bytes unread a stream pauses
     (`pause(fd, True)`, set by the process that feeds it) until its reader takes it below
     `limit`, as a StreamReader's transport does: a process left flooding its output between
-    commands waits on its pipe instead of filling the worker's memory."""
+    commands waits on its pipe instead of filling the worker's memory.
+
+    A waiter wakes for what it can use: a whole line of stderr (or its end, or more than `limit`
+    without a newline, as take_line gives them), and on stdout as many bytes as it asked for
+    (any by default) or its end. A command's reader asks for a chunk's worth of stdout until its
+    control line has come, so a command wakes it once, not once per write of its output, end
+    marker and control line (each wake-up a step of its task and a timer, 2026-12-07)."""
 
     def __init__(self, limit: int = 1 << 20):
         self.out, self.err = bytearray(), bytearray()
@@ -142,6 +148,7 @@ class Channel:
         self.pause: Callable[[int, bool], None] | None = None
         self._paused: set[int] = set()
         self._waiter: asyncio.Future | None = None
+        self._wake_out = 1  # stdout bytes that wake the waiter (Channel.wait's out_bytes)
 
     def feed(self, fd: int, data: bytes) -> None:
         """Data of stdout (1) or stderr (2)."""
@@ -150,7 +157,11 @@ class Channel:
         if len(buf) > 2 * self.limit and fd not in self._paused and self.pause is not None:
             self._paused.add(fd)
             self.pause(fd, True)
-        self._wake(True)
+        if fd == 2:  # a reader takes every whole line before it waits: a new one is in `data`
+            if b"\n" in data or len(buf) > self.limit:
+                self._wake(True)
+        elif len(buf) >= self._wake_out or fd in self._paused:
+            self._wake(True)
 
     def feed_eof(self, fd: int) -> None:
         if fd == 2:
@@ -191,15 +202,18 @@ class Channel:
         self._taken(2)
         return line
 
-    async def wait(self, deadline: float | None = None) -> bool:
-        """Until either stream moves (True) or the event loop's clock reaches `deadline` (False)."""
+    async def wait(self, deadline: float | None = None, out_bytes: int = 1) -> bool:
+        """Until stderr has a new line (or more than `limit` bytes, or its end), stdout holds
+        `out_bytes` or more (or ends) (True), or the event loop's clock reaches `deadline`
+        (False). A caller takes every whole line of stderr before it waits."""
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
+        self._wake_out = out_bytes
         timer = None if deadline is None else loop.call_at(deadline, self._wake, False)
         try:
             return await waiter
         finally:
-            self._waiter = None
+            self._waiter, self._wake_out = None, 1
             if timer is not None:
                 timer.cancel()
 
@@ -620,7 +634,7 @@ class ShellSession:
                     continue
             elif ch.out_eof:
                 raise SessionDead(await self.proc.wait(), capture.text())
-            elif await ch.wait(deadline):
+            elif await ch.wait(deadline, 1 if nonce is not None else _CHUNK):  # the marker, or a chunk
                 continue
             if stage == 2:
                 await self.kill()

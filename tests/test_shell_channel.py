@@ -90,6 +90,32 @@ async def test_wait_wakes_on_either_stream_or_returns_false_at_its_deadline():
     assert await channel.wait() is True and channel.out_eof
 
 
+async def test_wait_wakes_only_for_what_its_reader_can_use():
+    """A whole stderr line (or more than the limit without one), the stdout bytes asked for, a
+    stream's end, or a paused stream: a partial line or fewer bytes leave the waiter asleep."""
+    loop = asyncio.get_running_loop()
+    channel = Channel(limit=100)
+
+    async def woken(feed, out_bytes=1) -> bool:
+        loop.call_soon(feed)
+        return await channel.wait(loop.time() + 0.05, out_bytes)
+
+    assert not await woken(lambda: channel.feed(2, b"no newline yet"))
+    assert await woken(lambda: channel.feed(2, b" now\n"))
+    assert channel.take_line() == b"no newline yet now\n"
+    assert await woken(lambda: channel.feed(2, b"x" * 101))  # past the limit: take_line gives it whole
+    assert channel.take_line() == b"x" * 101
+    assert not await woken(lambda: channel.feed(1, b"a" * 9), out_bytes=10)
+    assert await woken(lambda: channel.feed(1, b"a"), out_bytes=10)
+    assert await woken(lambda: channel.feed(1, b"a"))  # any byte by default
+    channel.take_out()
+    channel.pause = lambda fd, on: None
+    assert await woken(lambda: channel.feed(1, b"p" * 201), out_bytes=1000)  # paused: it must be read
+    channel.take_out()
+    assert await woken(lambda: channel.feed_eof(1), out_bytes=1000)
+    assert await woken(lambda: channel.feed_eof(2))
+
+
 
 # The session end to end on a plain supervisor (no sandbox around it), over both ways of running
 # the process: pipes and a pidfd on the event loop (PipeProcess), and asyncio's subprocess
@@ -143,6 +169,32 @@ async def test_a_session_runs_commands_keeps_state_and_cuts_long_output(kind):
     assert session.proc.returncode == -signal.SIGKILL and not session.alive
     await asyncio.sleep(0)  # asyncio's transport closes its pipes on the next turn of the loop
     assert set(os.listdir("/proc/self/fd")) <= fds  # its pipes (and pidfd) are closed
+
+
+async def test_a_command_wakes_its_reader_once_whatever_its_writes(kind, monkeypatch):
+    """A command's output, end marker and control line come in separate writes (here its output
+    in three, apart in time); the command's reader waits for its control line, not for each, so
+    its task steps once per command: each wake-up cost a step and a timer."""
+    wakes = []
+    woken = shell.Channel._wake
+
+    def counted(self, moved: bool) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            wakes.append(moved)
+        woken(self, moved)
+
+    monkeypatch.setattr(shell.Channel, "_wake", counted)
+    session = await _session()
+    try:
+        wakes.clear()
+        r = await session.run("printf a; sleep 0.05; printf b; sleep 0.05; echo c", 10, _no_kill)
+        assert (r.output, r.exit_code) == ("abc\n", 0)
+        assert wakes == [True]
+        wakes.clear()
+        r = await session.run("echo out; echo err >&2; sleep 0.05; false", 10, _no_kill)
+        assert r.output == "out\nerr\n" and r.exit_code == 1 and wakes == [True]
+    finally:
+        await session.kill()
 
 
 async def test_a_shell_that_exits_is_replaced_and_a_dead_session_is_told(kind):
