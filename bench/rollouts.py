@@ -21,8 +21,11 @@ template; else, in asyncio's frames alone, the event loop's scheduling and polli
 GIL (--gil): by default it counts every thread it finds runnable, and a thread blocked in a
 pipe write or waitpid without the GIL drew most samples while using little CPU (2026-12-04).
 
+With --also-turns N the last concurrency runs again with N tool calls an episode, and the worker's CPU an episode
+is split in two from the pair: what an episode costs whatever its length, and what each further turn adds.
+
     .venv/bin/python bench/rollouts.py [--concurrency 64 128 256 512] [--turns 10] [--latency 1.0]
-                                       [--profile bench/profiles] [--warmup 20]
+                                       [--profile bench/profiles] [--warmup 20] [--also-turns 40]
 """
 
 from __future__ import annotations
@@ -152,6 +155,7 @@ async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Pa
             "wall_s": wall, "episodes_per_s": episodes / wall, "turns_per_s": n_turns / wall,
             "worker_cpu_ms_per_turn": 1000 * worker_cpu / max(n_turns, 1),
             "worker_cpu_ms_per_episode": 1000 * worker_cpu / max(episodes, 1),
+            "turns_per_episode": n_turns / max(episodes, 1),
             "worker_system_share": worker_sys / max(worker_cpu, 1e-9),
             "children_cpu_ms_per_turn": 1000 * kids_cpu / max(n_turns, 1),
             "machine_cpu_s_per_episode": machine / max(episodes, 1),
@@ -229,6 +233,18 @@ async def main(args) -> None:
                                                        for k, v in r["phases"].items()))
                 print(f"worker CPU per turn without grading: "
                       f"{r['worker_cpu_ms_per_turn'] * (1 - r['phases']['grading']):.2f} ms")
+        if args.also_turns:  # the same load with longer episodes: what an episode costs apart from its turns
+            n = args.concurrency[-1]
+            longer = await one(engine, supervisor, suite.suite_id, tokenizer, n, args.also_turns, args.latency, worker)
+            short = rows[-1]
+            per_turn = ((longer["worker_cpu_ms_per_episode"] - short["worker_cpu_ms_per_episode"])
+                        / (longer["turns_per_episode"] - short["turns_per_episode"]))
+            fixed = short["worker_cpu_ms_per_episode"] - short["turns_per_episode"] * per_turn
+            print(f"\nper episode and per turn apart, at {n} in flight: {short['turns_per_episode']:.1f} turns "
+                  f"{short['worker_cpu_ms_per_episode']:.1f} ms an episode, {longer['turns_per_episode']:.1f} turns "
+                  f"{longer['worker_cpu_ms_per_episode']:.1f} ms ({longer['worker_cpu_ms_per_turn']:.2f} a turn): "
+                  f"{fixed:.1f} ms of worker CPU an episode whatever its length (sandboxes, start and end, "
+                  f"Celery, grading), {per_turn:.2f} ms each turn")
         await supervisor.close()
         await engine.dispose()
     finally:
@@ -250,6 +266,9 @@ if __name__ == "__main__":
     parser.add_argument("--event-loop", choices=["uvloop", "asyncio"], default=None,
                         help="the worker's event loop (SWERVE_WORKER_EVENT_LOOP); its default if not given")
     parser.add_argument("--rate", type=int, default=100, help="py-spy's samples a second with --profile")
+    parser.add_argument("--also-turns", type=int, default=0, metavar="N",
+                        help="then the last concurrency again with N tool calls an episode: the worker's CPU an "
+                             "episode split into what every episode costs and what each turn does")
     parser.add_argument("--warmup", type=int, default=20,
                         help="episodes run first and not counted, so that every row is the worker's steady state")
     asyncio.run(main(parser.parse_args()))
