@@ -2,7 +2,9 @@
 (the turns table's blobs).
 
 Layout: b"SWA" | version 1 | dtype code | codec | ndim | reserved | ndim x uint32 LE | payload.
-Payloads are little-endian; codec 0 is raw, 1 is zlib. Light module: no FastAPI, no Celery.
+Payloads are little-endian; codec 0 is raw, 1 is zlib, 2 is a zstd frame (with its content size).
+Token ids are written as zstd since 2026-12-07 (zlib before: rows written then read as ever).
+Light module: no FastAPI, no Celery.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import threading
 import zlib
 from array import array
 from collections.abc import Sequence
@@ -23,8 +26,33 @@ DTYPES: dict[str, np.dtype] = {
     "i": np.dtype("<i4"), "f": np.dtype("<f4"), "B": np.dtype("u1"), "H": np.dtype("<u2"),
 }  # fmt: skip
 CODES = {dt: code for code, dt in DTYPES.items()}
-RAW, ZLIB = 0, 1
-Codec = Literal["raw", "zlib"]
+RAW, ZLIB, ZSTD = 0, 1, 2
+Codec = Literal["raw", "zlib", "zstd"]
+_CODES = {"raw": RAW, "zlib": ZLIB, "zstd": ZSTD}
+ZSTD_LEVEL = 1
+
+
+class _Zstd(threading.local):
+    """zstd's contexts, one pair per thread (a context serves one operation at a time), made on
+    first use: a context reused saves its set-up on every array."""
+
+    def __init__(self) -> None:
+        import zstandard
+
+        self.error = zstandard.ZstdError
+        self.frame_size = zstandard.frame_content_size
+        self.compress = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress
+        self.decompress = zstandard.ZstdDecompressor().decompress
+
+
+_zstd_contexts: _Zstd | None = None
+
+
+def _zstd() -> _Zstd:
+    global _zstd_contexts
+    if _zstd_contexts is None:
+        _zstd_contexts = _Zstd()
+    return _zstd_contexts
 
 
 class ArrayFormatError(ValueError):
@@ -53,8 +81,10 @@ def encode_array(values, dtype: str, *, codec: Codec = "zlib", level: int = 1) -
                 raise ValueError(f"values out of range for {dt}")
             arr = arr.astype(dt)
         payload, shape = np.ascontiguousarray(arr).tobytes(), arr.shape
-    code = ZLIB if codec == "zlib" else RAW
-    if code == ZLIB:
+    code = _CODES[codec]
+    if code == ZSTD:
+        payload = _zstd().compress(payload)
+    elif code == ZLIB:
         payload = zlib.compress(payload, level)
     header = MAGIC + struct.pack("<BBBB", ord(dtype), code, len(shape), 0)
     return header + struct.pack(f"<{len(shape)}I", *shape) + payload
@@ -74,13 +104,22 @@ def decode_array(blob: bytes) -> np.ndarray:
     if magic != MAGIC:
         raise ArrayFormatError("not a swerve array (bad magic)")
     dt = DTYPES.get(chr(dtype_code))
-    if dt is None or codec not in (RAW, ZLIB):
+    if dt is None or codec not in (RAW, ZLIB, ZSTD):
         raise ArrayFormatError(f"unknown dtype {dtype_code} or codec {codec}")
     start = 8 + 4 * ndim
     if len(blob) < start:
         raise ArrayFormatError(f"header of {ndim} dimensions does not fit {len(blob)} bytes")
     shape = _SHAPES[ndim].unpack_from(blob, 8)
-    if codec == ZLIB:
+    if codec == ZSTD:
+        zstd, frame = _zstd(), memoryview(blob)[start:]
+        size = dt.itemsize * math.prod(shape)
+        try:  # the frame's own size first: a damaged or foreign one is refused before any allocation
+            if zstd.frame_size(frame) != size:
+                raise ArrayFormatError(f"a zstd frame of another size than shape {shape} needs")
+            payload, start = zstd.decompress(frame), 0
+        except zstd.error as e:
+            raise ArrayFormatError(f"damaged payload: {e}") from e
+    elif codec == ZLIB:
         try:
             # wbits 0: the window the stream's header names (small for a turn's ids), not 32 kB
             payload, start = zlib.decompress(memoryview(blob)[start:], 0), 0
@@ -94,7 +133,9 @@ def decode_array(blob: bytes) -> np.ndarray:
 
 
 def encode_ids(ids) -> bytes:
-    return encode_array(ids, "i")
+    """zstd at level 1: against zlib at level 1, 2.3-4x faster to write and 2-3.5x to read, and
+    a few percent smaller, on 600 ids of a tokenizer's or random over 150k (2026-12-07)."""
+    return encode_array(ids, "i", codec="zstd")
 
 
 def encode_logprobs(logprobs) -> bytes:
