@@ -96,6 +96,11 @@ def test_a_zstd_frame_of_another_size_than_its_shape_or_damaged_is_refused():
         decode_array(bytes(damaged))
 
 
+def test_an_unknown_codec_is_refused_by_name():
+    with pytest.raises(ValueError, match="codec 'lz4': one of raw, zlib, zstd"):
+        encode_array([1], "i", codec="lz4")
+
+
 def test_out_of_range_values_are_refused():
     with pytest.raises(ValueError, match="out of range"):
         encode_array([2**31], "i")

@@ -81,7 +81,9 @@ def encode_array(values, dtype: str, *, codec: Codec = "zlib", level: int = 1) -
                 raise ValueError(f"values out of range for {dt}")
             arr = arr.astype(dt)
         payload, shape = np.ascontiguousarray(arr).tobytes(), arr.shape
-    code = _CODES[codec]
+    code = _CODES.get(codec)
+    if code is None:
+        raise ValueError(f"codec {codec!r}: one of {', '.join(_CODES)}")
     if code == ZSTD:
         payload = _zstd().compress(payload)
     elif code == ZLIB:
