@@ -28,13 +28,13 @@ DTYPES: dict[str, np.dtype] = {
 CODES = {dt: code for code, dt in DTYPES.items()}
 RAW, ZLIB, ZSTD = 0, 1, 2
 Codec = Literal["raw", "zlib", "zstd"]
-_CODES = {"raw": RAW, "zlib": ZLIB, "zstd": ZSTD}
+_CODECS = {"raw": RAW, "zlib": ZLIB, "zstd": ZSTD}
 ZSTD_LEVEL = 1
 
 
 class _Zstd(threading.local):
     """zstd's contexts, one pair per thread (a context serves one operation at a time), made on
-    first use: a context reused saves its set-up on every array."""
+    the thread's first use: a context reused saves its set-up on every array."""
 
     def __init__(self) -> None:
         import zstandard
@@ -45,14 +45,7 @@ class _Zstd(threading.local):
         self.decompress = zstandard.ZstdDecompressor().decompress
 
 
-_zstd_contexts: _Zstd | None = None
-
-
-def _zstd() -> _Zstd:
-    global _zstd_contexts
-    if _zstd_contexts is None:
-        _zstd_contexts = _Zstd()
-    return _zstd_contexts
+_ZSTD = _Zstd()
 
 
 class ArrayFormatError(ValueError):
@@ -81,11 +74,11 @@ def encode_array(values, dtype: str, *, codec: Codec = "zlib", level: int = 1) -
                 raise ValueError(f"values out of range for {dt}")
             arr = arr.astype(dt)
         payload, shape = np.ascontiguousarray(arr).tobytes(), arr.shape
-    code = _CODES.get(codec)
+    code = _CODECS.get(codec)
     if code is None:
-        raise ValueError(f"codec {codec!r}: one of {', '.join(_CODES)}")
+        raise ValueError(f"codec {codec!r}: one of {', '.join(_CODECS)}")
     if code == ZSTD:
-        payload = _zstd().compress(payload)
+        payload = _ZSTD.compress(payload)
     elif code == ZLIB:
         payload = zlib.compress(payload, level)
     header = MAGIC + struct.pack("<BBBB", ord(dtype), code, len(shape), 0)
@@ -112,14 +105,14 @@ def decode_array(blob: bytes) -> np.ndarray:
     if len(blob) < start:
         raise ArrayFormatError(f"header of {ndim} dimensions does not fit {len(blob)} bytes")
     shape = _SHAPES[ndim].unpack_from(blob, 8)
+    size = dt.itemsize * math.prod(shape)
     if codec == ZSTD:
-        zstd, frame = _zstd(), memoryview(blob)[start:]
-        size = dt.itemsize * math.prod(shape)
+        frame = memoryview(blob)[start:]
         try:  # the frame's own size first: a damaged or foreign one is refused before any allocation
-            if zstd.frame_size(frame) != size:
+            if _ZSTD.frame_size(frame) != size:
                 raise ArrayFormatError(f"a zstd frame of another size than shape {shape} needs")
-            payload, start = zstd.decompress(frame), 0
-        except zstd.error as e:
+            payload, start = _ZSTD.decompress(frame), 0
+        except _ZSTD.error as e:
             raise ArrayFormatError(f"damaged payload: {e}") from e
     elif codec == ZLIB:
         try:
@@ -129,7 +122,7 @@ def decode_array(blob: bytes) -> np.ndarray:
             raise ArrayFormatError(f"damaged payload: {e}") from e
     else:
         payload = blob  # read in place: slicing bytes would copy every payload once more
-    if len(payload) - start != dt.itemsize * math.prod(shape):
+    if len(payload) - start != size:
         raise ArrayFormatError(f"payload of {len(payload) - start} bytes does not fit shape {shape}")
     return np.frombuffer(payload, dtype=dt, offset=start).reshape(shape)
 
