@@ -8,7 +8,11 @@ import io
 import numpy as np
 import pytest
 
-from service.fleet.client import FleetConfig, NotVLLM, ProviderError, SamplingParams, VLLMClient, decode_routed_experts
+import orjson
+from fastapi.responses import PlainTextResponse
+
+from service.fleet.client import (Context, FleetConfig, NotVLLM, ProviderError, SamplingParams, VLLMClient,
+                                  decode_routed_experts)
 from service.fleet.stub import create_stub
 from tests.servers import TcpProxy, ThreadServer
 
@@ -49,6 +53,7 @@ async def test_unknown_model_makes_the_server_unhealthy():
         with pytest.raises(ProviderError, match="no healthy inference server: .*probe failed"):  # one is down
             await client.start()
         assert client._http.is_closed  # a start that fails leaves no connections behind (a poller retries it)
+        assert client._completions is None or client._completions.closed
 
 
 def test_fleet_config_refuses_an_empty_fleet():
@@ -111,3 +116,59 @@ async def test_a_fleet_whose_servers_are_all_down_waits_for_one_within_its_retri
             fleet._mark_down(fleet.endpoints[0], "as if a request had failed")
             gen = await fleet.generate([1, 2], SamplingParams(max_tokens=2))  # probed back in
             assert len(gen.output_ids) == 2 and fleet.endpoints[0].healthy
+
+
+async def test_an_episodes_prompt_reaches_the_server_whole_as_it_grows():
+    """A Context keeps the JSON of the ids it has sent: each request must still carry every id,
+    in order, whatever was added between turns (one id, many, none), and a plain list as ever."""
+    app = create_stub(tokens=3, max_model_len=1 << 20)
+    with ThreadServer(app) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url])) as fleet:
+            context = Context([7, 0, 150_000])
+            for added in ([], [5], list(range(1000, 1700)), [], [2**31 - 1, 0, 3]):
+                context.extend(added)
+                gen = await fleet.generate(context, SamplingParams(max_tokens=3), session="s")
+                assert app.state.stub["prompt"] == list(context)
+                context += gen.output_ids
+            await fleet.generate([4, 5, 6], SamplingParams(max_tokens=3))
+            assert app.state.stub["prompt"] == [4, 5, 6]
+
+
+def test_a_context_only_grows():
+    context = Context([1, 2, 3])
+    context.append(4)
+    context.extend([5])
+    context += [6]
+    assert context == [1, 2, 3, 4, 5, 6] and isinstance(context, list)
+    assert orjson.loads(b"[" + context.json_items() + b"]") == list(context)
+    for change in (lambda: context.__setitem__(0, 9), lambda: context.__delitem__(slice(0, 2)), context.pop,
+                   context.clear, lambda: context.insert(0, 1), lambda: context.remove(1), context.sort,
+                   context.reverse, lambda: context.__imul__(0)):
+        with pytest.raises(TypeError, match="only grows"):
+            change()
+    assert context == [1, 2, 3, 4, 5, 6]
+    context.append(7)  # what was encoded stays, the rest is added
+    assert orjson.loads(b"[" + context.json_items() + b"]") == [1, 2, 3, 4, 5, 6, 7]
+
+
+async def test_a_refused_completion_is_a_provider_error_with_the_servers_answer_and_a_busy_one_is_retried():
+    with ThreadServer(create_stub(tokens=2, refuse=(503, 429))) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url], max_retries=2, backoff_s=0.01)) as fleet:
+            gen = await fleet.generate([1, 2], SamplingParams(max_tokens=2))
+            assert len(gen.output_ids) == 2 and fleet.endpoints[0].failures == 2
+    app = create_stub(tokens=2, refuse=(400,))
+    with ThreadServer(app) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url], max_retries=2, backoff_s=0.01)) as fleet:
+            with pytest.raises(ProviderError, match="refused the request: 400 .*refused as asked"):
+                await fleet.generate([1, 2], SamplingParams(max_tokens=2))
+            assert app.state.stub["calls"] == 1  # not sent again
+
+
+async def test_a_completion_answered_with_no_json_choice_is_a_provider_error():
+    app = create_stub()
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/v1/completions"]
+    app.add_api_route("/v1/completions", lambda: PlainTextResponse("<html>proxy error</html>"), methods=["POST"])
+    with ThreadServer(app) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url])) as fleet:
+            with pytest.raises(ProviderError, match="no choice in JSON.*proxy error"):
+                await fleet.generate([1, 2], SamplingParams(max_tokens=2))

@@ -7,6 +7,7 @@ experts). Never used where a real server is the thing under test.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -16,12 +17,20 @@ from fastapi.responses import JSONResponse
 
 
 def create_stub(model: str = "stub", max_model_len: int = 32768, layers: int = 0,
-                top_k: int = 0, tokens: int = 8, reload: str = "ok", root: str | None = None) -> FastAPI:  # fmt: skip
+                top_k: int = 0, tokens: int = 8, reload: str = "ok", root: str | None = None,
+                refuse: tuple[int, ...] = (), script: list[list[int]] | None = None, turn_token: int | None = None,
+                latency_s: float = 0.0) -> FastAPI:  # fmt: skip
     """layers/top_k > 0: return routed experts for prompt + output tokens, as vLLM GPU does.
     reload: "ok", "fail" (collective_rpc answers 500) or "stale" (version never changes).
-    root: the model folder /v1/models names (vLLM: the path it loaded; default `model`)."""
+    root: the model folder /v1/models names (vLLM: the path it loaded; default `model`).
+    refuse: HTTP statuses the first completions are answered with, in turn. The last prompt
+    received is kept in `app.state.stub["prompt"]`.
+    script: the ids of an episode's answers (bench/rollouts.py --sampler stub), each ending
+    its turn ("stop"): a prompt holding `turn_token` k times (a tool response's opening token)
+    gets answer k, the last one past the end; each answer after `latency_s`."""
     app = FastAPI()
-    state = {"version": "default", "paused": False, "calls": 0}
+    state = {"version": "default", "paused": False, "calls": 0, "prompt": None}
+    refusals = list(refuse)
 
     @app.get("/health")
     async def health() -> dict:
@@ -59,14 +68,24 @@ def create_stub(model: str = "stub", max_model_len: int = 32768, layers: int = 0
         return {"results": [body.get("kwargs", {}).get("weights_path")]}
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> dict:
+    async def completions(request: Request):
         body = await request.json()
         state["calls"] += 1
-        prompt = body["prompt"]
-        n = min(tokens, body.get("max_tokens", tokens))
-        out = [(prompt[-1] + i + 1) % 1000 for i in range(n)] if prompt else list(range(n))
-        choice = {"index": 0, "text": "", "token_ids": out, "finish_reason": "length",
-                  "logprobs": {"token_logprobs": [-0.5] * n}, "routed_experts": None}
+        if refusals:
+            return JSONResponse({"error": "refused as asked"}, status_code=refusals.pop(0))
+        prompt = state["prompt"] = body["prompt"]
+        if latency_s:
+            await asyncio.sleep(latency_s)
+        if script:
+            out, finish = script[min(prompt.count(turn_token), len(script) - 1)], "stop"
+        else:
+            n = min(tokens, body.get("max_tokens", tokens))
+            out, finish = [(prompt[-1] + i + 1) % 1000 for i in range(n)] if prompt else list(range(n)), "length"
+        n = len(out)
+        choice = {"index": 0, "text": "", "token_ids": out, "finish_reason": finish,
+                  "logprobs": {"token_logprobs": [-0.5] * n}, "routed_experts": None,
+                  # vLLM echoes the prompt's ids with return_token_ids, and a client parses them
+                  "prompt_token_ids": prompt if body.get("return_token_ids") else None}
         if layers and top_k:
             ids = (np.arange((len(prompt) + n) * layers * top_k) % 97).astype(np.int32)
             buf = io.BytesIO()

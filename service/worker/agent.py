@@ -21,7 +21,7 @@ from sandboxes.base import SandboxError
 from service.store.buffer import StorageError
 from service.store.records import TurnRecord
 from service.store.status import EpisodeStatus
-from service.fleet.client import ContextExceeded, InferenceClient, ProviderError, SamplingParams, text_decoder, text_encoder
+from service.fleet.client import Context, ContextExceeded, InferenceClient, ProviderError, SamplingParams, text_decoder, text_encoder
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 _TOOL_MARK = "\x00TOOL\x00"
@@ -205,7 +205,7 @@ async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cf
                       sink: TurnSink, *, session: str | None = None) -> EpisodeResult:
     """Run one episode to a final status. Failures of the sandbox, fleet or store end it as data."""
     messages = env.first_messages()
-    context = renderer.initial(messages)
+    context = Context(renderer.initial(messages))  # grows by extends only: the fleet client keeps its JSON
     pending = list(context)  # the first turn's input: the whole prompt
     result = EpisodeResult(status="running")
     deadline = time.monotonic() + cfg.wall_clock_s
@@ -248,7 +248,7 @@ async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cf
                     context.extend(pending)
                 else:  # the template rewrites history: start a new segment from a full render
                     pending = renderer.full(messages)
-                    context = list(pending)
+                    context = Context(pending)
                     result.segment_starts.append(result.n_turns)
             except ContextExceeded:
                 result.status = "context_exhausted"
