@@ -21,17 +21,26 @@ template; else, in asyncio's frames alone, the event loop's scheduling and polli
 GIL (--gil): by default it counts every thread it finds runnable, and a thread blocked in a
 pipe write or waitpid without the GIL drew most samples while using little CPU (2026-12-04).
 
+With --sampler stub the model is an HTTP stand-in for vLLM in a process of its own
+(service/fleet/stub.py, answering the same calls after the same latency, and echoing the prompt's
+ids as vLLM does), reached through the fleet client as a real fleet is: the worker's CPU then
+includes each turn's request (its body, the prompt's JSON, the answer's parse), which the
+default in-process replay sampler leaves out.
+
 With --also-turns N the last concurrency runs again with N tool calls an episode, and the worker's CPU an episode
 is split in two from the pair: what an episode costs whatever its length, and what each further turn adds.
 
     .venv/bin/python bench/rollouts.py [--concurrency 64 128 256 512] [--turns 10] [--latency 1.0]
                                        [--profile bench/profiles] [--warmup 20] [--also-turns 40]
+                                       [--sampler replay|stub]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import shutil
 import statistics
@@ -44,6 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import httpx  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
@@ -57,6 +67,7 @@ from service.worker.config import RunConfig  # noqa: E402
 from service.control.suites import file_chunks, import_suite, parser_for_file  # noqa: E402
 from service.store.tables import Episode, Run, Turn  # noqa: E402
 from service.fleet.tiny_model import init_tiny  # noqa: E402
+from tests.servers import free_port  # noqa: E402
 
 SUITE = ROOT / "envs" / "example_suite" / "suite.jsonl"
 PG_ADMIN = os.environ.get("SWERVE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -112,14 +123,61 @@ def machine_cpu() -> float:
     return t.user + t.system + t.nice + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
 
 
+CALL = {"name": "bash", "arguments": {"command": "head -c 1000 README.md 2>/dev/null || ls"}}
+
+
+@contextlib.contextmanager
+def stub_fleet(tokenizer: Path, turns: int, latency: float):
+    """An HTTP stand-in for vLLM in its own process, answering `turns` times CALL and then a
+    submit, each after `latency`; yields its URL."""
+    from transformers import AutoTokenizer
+
+    from service.fleet.client import text_encoder
+    from service.worker.scripted import tool_call_text
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    encode, eos = text_encoder(tok), tok.convert_tokens_to_ids("<|im_end|>")
+    script = [[*encode(tool_call_text(CALL["name"], CALL["arguments"])), eos]] * turns
+    script.append([*encode(tool_call_text("submit", {})), eos])
+    kwargs = {"model": "stub", "max_model_len": 1 << 20, "script": script,
+              "turn_token": tok.convert_tokens_to_ids("<tool_response>"), "latency_s": latency}
+    port = free_port()
+    serve = ("import json, sys, uvicorn; from service.fleet.stub import create_stub; "
+             "uvicorn.run(create_stub(**json.loads(sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]), "
+             "log_level='warning')")
+    proc = subprocess.Popen([sys.executable, "-c", serve, json.dumps(kwargs), str(port)], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise SystemExit("the stub server did not start")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Path, n: int, turns: int,
-              latency: float, worker: psutil.Process) -> dict:  # fmt: skip
+              latency: float, worker: psutil.Process, sampler: str = "replay") -> dict:  # fmt: skip
+    if sampler == "stub":
+        with stub_fleet(tokenizer, turns, latency) as url:
+            return await one_with(engine, supervisor, suite_id, n, turns, worker, {
+                "type": "vllm", "endpoints": [url], "tokenizer": str(tokenizer)})
+    return await one_with(engine, supervisor, suite_id, n, turns, worker, {
+        "type": "replay", "tokenizer": str(tokenizer), "calls": [CALL] * turns, "latency_s": latency})
+
+
+async def one_with(engine, supervisor: Supervisor, suite_id: uuid.UUID, n: int, turns: int, worker: psutil.Process,
+                   sampler: dict) -> dict:  # fmt: skip
     tasks = 20
-    calls = [{"name": "bash", "arguments": {"command": "head -c 1000 README.md 2>/dev/null || ls"}}] * turns
     cfg = RunConfig.model_validate({
         "suite_id": suite_id, "samples_per_task": -(-n // tasks), "concurrency": n, "worker_timeout_s": 600,
-        "sampler": {"type": "replay", "tokenizer": str(tokenizer), "calls": calls, "latency_s": latency},
-        "agent": {"max_turns": turns + 2}})  # fmt: skip
+        "sampler": sampler, "agent": {"max_turns": turns + 2}})  # fmt: skip
     (worker_before, kids_before), machine_before = tree_cpu(worker), machine_cpu()
     sys_before = worker.cpu_times().system
     started = time.perf_counter()
@@ -191,9 +249,9 @@ async def main(args) -> None:
         await asyncio.sleep(3)  # the worker connects
         rows = []
         print(f"{args.turns} tool calls + submit per episode, {args.latency} s simulated model latency per turn, "
-              f"{psutil.cpu_count()} CPUs")
+              f"{args.sampler} sampler, {psutil.cpu_count()} CPUs")
         if args.warmup:  # not counted: the worker's start-up (its imports and the tokenizer's first load)
-            await one(engine, supervisor, suite.suite_id, tokenizer, args.warmup, args.turns, 0.1, worker)
+            await one(engine, supervisor, suite.suite_id, tokenizer, args.warmup, args.turns, 0.1, worker, args.sampler)
         for i, n in enumerate(args.concurrency):
             spy = None
             if args.profile and i == len(args.concurrency) - 1:
@@ -203,7 +261,8 @@ async def main(args) -> None:
                                          "-o", str(args.profile / f"worker.{ext}"), "--nonblocking"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                        for fmt, ext in (("raw", "txt"), ("flamegraph", "svg"))]
-            row = await one(engine, supervisor, suite.suite_id, tokenizer, n, args.turns, args.latency, worker)
+            row = await one(engine, supervisor, suite.suite_id, tokenizer, n, args.turns, args.latency, worker,
+                            args.sampler)
             rows.append(row)
             for s in spy or ():
                 s.send_signal(2)  # py-spy writes its output on SIGINT
@@ -235,7 +294,8 @@ async def main(args) -> None:
                       f"{r['worker_cpu_ms_per_turn'] * (1 - r['phases']['grading']):.2f} ms")
         if args.also_turns:  # the same load with longer episodes: what an episode costs apart from its turns
             n = args.concurrency[-1]
-            longer = await one(engine, supervisor, suite.suite_id, tokenizer, n, args.also_turns, args.latency, worker)
+            longer = await one(engine, supervisor, suite.suite_id, tokenizer, n, args.also_turns, args.latency, worker,
+                               args.sampler)
             short = rows[-1]
             per_turn = ((longer["worker_cpu_ms_per_episode"] - short["worker_cpu_ms_per_episode"])
                         / (longer["turns_per_episode"] - short["turns_per_episode"]))
@@ -269,6 +329,8 @@ if __name__ == "__main__":
     parser.add_argument("--also-turns", type=int, default=0, metavar="N",
                         help="then the last concurrency again with N tool calls an episode: the worker's CPU an "
                              "episode split into what every episode costs and what each turn does")
+    parser.add_argument("--sampler", choices=["replay", "stub"], default="replay",
+                        help="replay: scripted in the worker; stub: an HTTP stand-in for vLLM through the fleet client")
     parser.add_argument("--warmup", type=int, default=20,
                         help="episodes run first and not counted, so that every row is the worker's steady state")
     asyncio.run(main(parser.parse_args()))
