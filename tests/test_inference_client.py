@@ -11,7 +11,7 @@ import pytest
 import orjson
 from fastapi.responses import PlainTextResponse
 
-from service.fleet.client import (Context, FleetConfig, NotVLLM, ProviderError, SamplingParams, VLLMClient,
+from service.fleet.client import (Context, FleetConfig, _drop_prompt_echo, NotVLLM, ProviderError, SamplingParams, VLLMClient,
                                   decode_routed_experts)
 from service.fleet.stub import create_stub
 from tests.servers import TcpProxy, ThreadServer
@@ -172,3 +172,17 @@ async def test_a_completion_answered_with_no_json_choice_is_a_provider_error():
         async with VLLMClient(FleetConfig(endpoints=[stub.url])) as fleet:
             with pytest.raises(ProviderError, match="no choice in JSON.*proxy error"):
                 await fleet.generate([1, 2], SamplingParams(max_tokens=2))
+
+
+def test_the_prompt_echo_is_cut_exactly_and_nothing_else_is():
+    """vLLM echoes the prompt's ids with return_token_ids; the client cuts them before parsing.
+    A text that spells the key (escaped inside its JSON string) and every other field stay."""
+    text = 'tricky "prompt_token_ids":[1,2] ] \\"prompt_token_ids":['
+    choice = {"index": 0, "text": text, "token_ids": [5, 6], "prompt_token_ids": list(range(3000)),
+              "logprobs": {"token_logprobs": [-0.5, -0.25]}, "finish_reason": "stop"}
+    answer = orjson.dumps({"id": "x", "choices": [choice], "usage": {"prompt_tokens": 3000}})
+    cut = orjson.loads(_drop_prompt_echo(answer))
+    assert cut["choices"][0] == choice | {"prompt_token_ids": None}
+    assert cut["usage"] == {"prompt_tokens": 3000} and len(_drop_prompt_echo(answer)) < len(answer) / 5
+    for same in ({"choices": [choice | {"prompt_token_ids": None}]}, {"choices": [{"text": text}]}):
+        assert _drop_prompt_echo(orjson.dumps(same)) == orjson.dumps(same)
