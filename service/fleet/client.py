@@ -236,8 +236,8 @@ class VLLMClient:
     def _session(self) -> aiohttp.ClientSession:
         if self._completions is None or self._completions.closed:
             timeout = self.cfg.request_timeout_s  # as httpx's: between two reads, and for a free connection
-            self._completions = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
+            self._completions = aiohttp.ClientSession(  # proxies from the environment, as httpx's calls
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0), trust_env=True,
                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=5.0, sock_read=timeout))
         return self._completions
 
