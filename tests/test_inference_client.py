@@ -186,3 +186,31 @@ def test_the_prompt_echo_is_cut_exactly_and_nothing_else_is():
     assert cut["usage"] == {"prompt_tokens": 3000} and len(_drop_prompt_echo(answer)) < len(answer) / 5
     for same in ({"choices": [choice | {"prompt_token_ids": None}]}, {"choices": [{"text": text}]}):
         assert _drop_prompt_echo(orjson.dumps(same)) == orjson.dumps(same)
+
+
+async def test_completions_go_through_the_proxy_the_environment_names_as_the_control_calls_do(monkeypatch):
+    """HTTP_PROXY (and NO_PROXY) hold for every call to the fleet: the server's name here
+    resolves nowhere, so only a request sent through the proxy (a byte pipe to the stub, which
+    takes the absolute-form target a proxy is sent) can reach it."""
+
+    class Counting(TcpProxy):
+        requests = 0
+
+        def drop(self, request: bytes) -> bool:
+            Counting.requests += request.startswith(b"POST http://swerve-fleet.invalid:8000/v1/completions")
+            return False
+
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with ThreadServer(create_stub(tokens=2)) as stub:
+        proxy = Counting(stub.port).start()
+        try:
+            monkeypatch.setenv("HTTP_PROXY", proxy.url)
+            async with VLLMClient(FleetConfig(endpoints=["http://swerve-fleet.invalid:8000"])) as fleet:
+                gen = await fleet.generate([1, 2], SamplingParams(max_tokens=2))
+                assert len(gen.output_ids) == 2 and Counting.requests == 1
+            monkeypatch.setenv("NO_PROXY", "swerve-fleet.invalid")
+            with pytest.raises(ProviderError, match="no healthy inference server"):
+                await VLLMClient(FleetConfig(endpoints=["http://swerve-fleet.invalid:8000"], max_retries=0)).start()
+        finally:
+            proxy.stop()

@@ -91,6 +91,18 @@ def _prompt_json(token_ids: list[int]) -> list:
     return [orjson.dumps(token_ids)]
 
 
+def _env_proxy(url: str) -> tuple[str | None, aiohttp.BasicAuth | None]:
+    """The proxy HTTP(S)_PROXY and NO_PROXY name for a server, as httpx's calls find it, read
+    once per server: aiohttp's trust_env reads the environment on every request (0.2 ms)."""
+    from yarl import URL
+
+    try:
+        proxy, auth = aiohttp.helpers.get_env_proxy_for_url(URL(url))
+    except LookupError:
+        return None, None
+    return str(proxy), auth
+
+
 _ECHO = b'"prompt_token_ids":['
 
 
@@ -191,6 +203,8 @@ class Endpoint:
     """Set when the server answered, but not as the vLLM server asked for (why)."""
     error: str = ""
     """Why it was last marked unhealthy."""
+    proxy: tuple | None = None
+    """(proxy URL or None, its credentials) for completions, from the environment (_env_proxy)."""
 
 
 class VLLMClient:
@@ -236,8 +250,8 @@ class VLLMClient:
     def _session(self) -> aiohttp.ClientSession:
         if self._completions is None or self._completions.closed:
             timeout = self.cfg.request_timeout_s  # as httpx's: between two reads, and for a free connection
-            self._completions = aiohttp.ClientSession(  # proxies from the environment, as httpx's calls
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0), trust_env=True,
+            self._completions = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=5.0, sock_read=timeout))
         return self._completions
 
@@ -372,7 +386,10 @@ class VLLMClient:
         version, started = ep.version, time.perf_counter()
         ep.inflight += 1
         try:
-            async with self._session().post(f"{ep.url}/v1/completions", data=data, headers=_JSON) as response:
+            if ep.proxy is None:
+                ep.proxy = _env_proxy(ep.url)
+            async with self._session().post(f"{ep.url}/v1/completions", data=data, headers=_JSON,
+                                            proxy=ep.proxy[0], proxy_auth=ep.proxy[1]) as response:
                 answer = await response.read()
                 if response.status >= 400:
                     raise _Refused(response.status, answer)
