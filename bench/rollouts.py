@@ -87,6 +87,10 @@ GRADING = "grade (envs/swe_env.py"
 PHASES = [("sandbox", ("sandboxes/",)), ("grading", ("grading", "envs/harness", "log_parsers")),
           ("database", ("sqlalchemy/", "psycopg", "service/store/", "asyncpg")),
           ("Celery", ("celery/", "kombu/", "billiard/", "redis/", "amqp/")),
+          # the fleet client's request (--sampler stub), apart from its tokenizer helpers in the same module
+          ("inference request", ("aiohttp/", "yarl/", "multidict/", "generate (service/fleet/client.py",
+                                 "_complete (service/fleet/client.py", "json_items (service/fleet/client.py",
+                                 "_drop_prompt_echo (service/fleet/client.py")),
           ("agent loop", ("service/worker/", "envs/", "transformers/", "tokenizers/", "jinja2/", "service/fleet/"))]
 
 

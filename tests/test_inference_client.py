@@ -214,3 +214,26 @@ async def test_completions_go_through_the_proxy_the_environment_names_as_the_con
                 await VLLMClient(FleetConfig(endpoints=["http://swerve-fleet.invalid:8000"], max_retries=0)).start()
         finally:
             proxy.stop()
+
+
+async def test_a_new_session_and_the_poll_read_the_version_the_server_serves_now():
+    """A trainer elsewhere reloads the servers: an episode's first turn reads the version before
+    it is sent, and the poll keeps every server's up to date; a /weight_info that is not one
+    takes the server out, naming what it answered."""
+    import httpx
+
+    app = create_stub(tokens=2)
+    with ThreadServer(app) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url], version_poll_s=3600)) as fleet:
+            assert (await fleet.generate([1], SamplingParams(max_tokens=2), session="a")).policy_version == 0
+            httpx.post(f"{stub.url}/update_weight_version", json={"new_version": "3"}).raise_for_status()
+            assert (await fleet.generate([1], SamplingParams(max_tokens=2), session="b")).policy_version == 3
+            httpx.post(f"{stub.url}/update_weight_version", json={"new_version": "4"}).raise_for_status()
+            assert await fleet.refresh_versions() == 4
+    broken = create_stub(tokens=2)
+    with ThreadServer(broken) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url], version_poll_s=3600)) as fleet:
+            broken.router.routes = [r for r in broken.router.routes if getattr(r, "path", None) != "/weight_info"]
+            broken.add_api_route("/weight_info", lambda: PlainTextResponse("<html>not vLLM</html>"))
+            await fleet.refresh_versions()
+            assert not fleet.endpoints[0].healthy and "not vLLM" in fleet.endpoints[0].error

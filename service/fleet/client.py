@@ -413,16 +413,21 @@ class VLLMClient:
                           prompt_tokens=len(token_ids), latency_s=time.perf_counter() - started)
 
     async def _check_version(self, ep: Endpoint) -> None:
-        """Learn the version a server serves now (a trainer elsewhere may have reloaded it)."""
+        """Learn the version a server serves now (a trainer elsewhere may have reloaded it). On
+        the completions' session: every episode asks at its first turn, and the poll every second."""
+        if ep.proxy is None:
+            ep.proxy = _env_proxy(ep.url)
         try:
-            info = await self._http.get(f"{ep.url}/weight_info", timeout=5.0)
-        except httpx.HTTPError:
+            async with self._session().get(f"{ep.url}/weight_info", timeout=aiohttp.ClientTimeout(total=5.0),
+                                           proxy=ep.proxy[0], proxy_auth=ep.proxy[1]) as info:
+                status, text = info.status, await info.read()
+        except (aiohttp.ClientError, TimeoutError):
             return  # the next request finds out whether the server is gone
-        if info.status_code == 200:
+        if status == 200:
             try:
-                ep.version = _parse_version(info.json().get("weight_version"))
+                ep.version = _parse_version(orjson.loads(text).get("weight_version"))
             except (ValueError, AttributeError) as e:
-                self._mark_down(ep, f"/weight_info answered {info.text[:200]!r}: {e}")
+                self._mark_down(ep, f"/weight_info answered {text[:200].decode(errors='replace')!r}: {e}")
 
     async def refresh_versions(self) -> int:
         """Ask every healthy server its version; return the oldest (what a new episode may get)."""
