@@ -147,10 +147,8 @@ async def main() -> None:
     args = parser.parse_args()
 
     port = free_port()
-    serve = ("import json, sys, uvicorn; from service.fleet.stub import create_stub; "
-             "uvicorn.run(create_stub(**json.loads(sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]), "
-             "log_level='warning', access_log=False)")
-    stub = subprocess.Popen([sys.executable, "-c", serve, json.dumps({"max_model_len": 1 << 20}), str(port)], cwd=ROOT)
+    stub = subprocess.Popen([sys.executable, "-m", "service.fleet.stub", str(port),
+                             json.dumps({"max_model_len": 1 << 20})], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:

@@ -146,10 +146,7 @@ def stub_fleet(tokenizer: Path, turns: int, latency: float):
     kwargs = {"model": "stub", "max_model_len": 1 << 20, "script": script,
               "turn_token": tok.convert_tokens_to_ids("<tool_response>"), "latency_s": latency}
     port = free_port()
-    serve = ("import json, sys, uvicorn; from service.fleet.stub import create_stub; "
-             "uvicorn.run(create_stub(**json.loads(sys.argv[1])), host='127.0.0.1', port=int(sys.argv[2]), "
-             "log_level='warning')")
-    proc = subprocess.Popen([sys.executable, "-c", serve, json.dumps(kwargs), str(port)], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "service.fleet.stub", str(port), json.dumps(kwargs)], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):

@@ -217,7 +217,8 @@ class VLLMClient:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         self._completions: aiohttp.ClientSession | None = None
-        """Made on the running loop at the first completion (an aiohttp session is bound to it)."""
+        """Completions and version reads; made on the running loop at the first (_call): an
+        aiohttp session is bound to its loop."""
         self._health_task: asyncio.Task | None = None
         self._version_task: asyncio.Task | None = None
 
@@ -247,13 +248,18 @@ class VLLMClient:
         if self._completions is not None:
             await self._completions.close()
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _call(self, ep: Endpoint, method: str, path: str, **kwargs):
+        """A request to a server on the completions' session (made here on the running loop at
+        the first call), through the proxy the environment names for it."""
         if self._completions is None or self._completions.closed:
             timeout = self.cfg.request_timeout_s  # as httpx's: between two reads, and for a free connection
             self._completions = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=5.0, sock_read=timeout))
-        return self._completions
+        if ep.proxy is None:
+            ep.proxy = _env_proxy(ep.url)
+        return self._completions.request(method, f"{ep.url}{path}", proxy=ep.proxy[0], proxy_auth=ep.proxy[1],
+                                         **kwargs)
 
     @property
     def version(self) -> int:
@@ -386,10 +392,7 @@ class VLLMClient:
         version, started = ep.version, time.perf_counter()
         ep.inflight += 1
         try:
-            if ep.proxy is None:
-                ep.proxy = _env_proxy(ep.url)
-            async with self._session().post(f"{ep.url}/v1/completions", data=data, headers=_JSON,
-                                            proxy=ep.proxy[0], proxy_auth=ep.proxy[1]) as response:
+            async with self._call(ep, "POST", "/v1/completions", data=data, headers=_JSON) as response:
                 answer = await response.read()
                 if response.status >= 400:
                     raise _Refused(response.status, answer)
@@ -415,11 +418,8 @@ class VLLMClient:
     async def _check_version(self, ep: Endpoint) -> None:
         """Learn the version a server serves now (a trainer elsewhere may have reloaded it). On
         the completions' session: every episode asks at its first turn, and the poll every second."""
-        if ep.proxy is None:
-            ep.proxy = _env_proxy(ep.url)
         try:
-            async with self._session().get(f"{ep.url}/weight_info", timeout=aiohttp.ClientTimeout(total=5.0),
-                                           proxy=ep.proxy[0], proxy_auth=ep.proxy[1]) as info:
+            async with self._call(ep, "GET", "/weight_info", timeout=aiohttp.ClientTimeout(total=5.0)) as info:
                 status, text = info.status, await info.read()
         except (aiohttp.ClientError, TimeoutError):
             return  # the next request finds out whether the server is gone

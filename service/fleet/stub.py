@@ -3,6 +3,8 @@ logprobs, routed experts, weight version, pause/resume, collective_rpc).
 
 For measuring client overhead and for client paths vLLM on CPU cannot produce (routed
 experts). Never used where a real server is the thing under test.
+
+    python -m service.fleet.stub PORT ['{"max_model_len": 1048576, ...}']   # create_stub's arguments as JSON
 """
 
 from __future__ import annotations
@@ -97,3 +99,13 @@ def create_stub(model: str = "stub", max_model_len: int = 32768, layers: int = 0
 
     app.state.stub = state
     return app
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    import uvicorn
+
+    uvicorn.run(create_stub(**(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})), host="127.0.0.1",
+                port=int(sys.argv[1]), log_level="warning", access_log=False)
