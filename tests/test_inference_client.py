@@ -162,6 +162,12 @@ async def test_a_refused_completion_is_a_provider_error_with_the_servers_answer_
             with pytest.raises(ProviderError, match="refused the request: 400 .*refused as asked"):
                 await fleet.generate([1, 2], SamplingParams(max_tokens=2))
             assert app.state.stub["calls"] == 1  # not sent again
+    app = create_stub(tokens=2, refuse=(307,))
+    with ThreadServer(app) as stub:
+        async with VLLMClient(FleetConfig(endpoints=[stub.url], max_retries=2, backoff_s=0.01)) as fleet:
+            with pytest.raises(ProviderError, match="refused the request: 307"):
+                await fleet.generate([1, 2], SamplingParams(max_tokens=2))
+            assert app.state.stub["calls"] == 1
 
 
 async def test_a_completion_answered_with_no_json_choice_is_a_provider_error():

@@ -259,7 +259,7 @@ class VLLMClient:
         if ep.proxy is None:
             ep.proxy = _env_proxy(ep.url)
         return self._completions.request(method, f"{ep.url}{path}", proxy=ep.proxy[0], proxy_auth=ep.proxy[1],
-                                         **kwargs)
+                                         allow_redirects=False, **kwargs)  # as httpx: a redirect is an answer
 
     @property
     def version(self) -> int:
@@ -394,7 +394,7 @@ class VLLMClient:
         try:
             async with self._call(ep, "POST", "/v1/completions", data=data, headers=_JSON) as response:
                 answer = await response.read()
-                if response.status >= 400:
+                if response.status >= 300:
                     raise _Refused(response.status, answer)
         finally:
             ep.inflight -= 1
