@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from service.fleet import stub  # noqa: E402
 from service.fleet.client import Context, FleetConfig, SamplingParams, VLLMClient  # noqa: E402
 from service.fleet.tiny_model import init_tiny  # noqa: E402
 from service.fleet.server import VLLMServer, set_version  # noqa: E402
@@ -146,25 +145,12 @@ async def main() -> None:
     parser.add_argument("--growth-calls", type=int, default=10, help="calls per prompt length and path")
     args = parser.parse_args()
 
-    port = free_port()
-    stub = subprocess.Popen([sys.executable, "-m", "service.fleet.stub", str(port),
-                             json.dumps({"max_model_len": 1 << 20})], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(f"{url}/health")
-            break
-        except httpx.TransportError:
-            time.sleep(0.1)
-    try:
+    with stub.in_process(free_port(), max_model_len=1 << 20) as url:
         await direct_calls(url, "stub", 200, 8)  # warm up both paths
         await client_calls(url, 200, 8)
         direct = await direct_calls(url, "stub", args.calls, 8)
         ours = await client_calls(url, args.calls, 8)
         growing = {n: await cpu_per_call(url, n, args.growth_calls, args.rounds) for n in LENGTHS}
-    finally:
-        stub.terminate()
-        stub.wait()
 
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "tiny")

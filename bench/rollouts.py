@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -53,7 +52,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
@@ -66,6 +64,7 @@ from service.control.runs import create_run  # noqa: E402
 from service.worker.config import RunConfig  # noqa: E402
 from service.control.suites import file_chunks, import_suite, parser_for_file  # noqa: E402
 from service.store.tables import Episode, Run, Turn  # noqa: E402
+from service.fleet import stub  # noqa: E402
 from service.fleet.tiny_model import init_tiny  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
@@ -145,22 +144,8 @@ def stub_fleet(tokenizer: Path, turns: int, latency: float):
     script.append([*encode(tool_call_text("submit", {})), eos])
     kwargs = {"model": "stub", "max_model_len": 1 << 20, "script": script,
               "turn_token": tok.convert_tokens_to_ids("<tool_response>"), "latency_s": latency}
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "service.fleet.stub", str(port), json.dumps(kwargs)], cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise SystemExit("the stub server did not start")
+    with stub.in_process(free_port(), **kwargs) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 async def one(engine, supervisor: Supervisor, suite_id: uuid.UUID, tokenizer: Path, n: int, turns: int,

@@ -93,7 +93,8 @@ def _prompt_json(token_ids: list[int]) -> list:
 
 def _env_proxy(url: str) -> tuple[str | None, aiohttp.BasicAuth | None]:
     """The proxy HTTP(S)_PROXY and NO_PROXY name for a server, as httpx's calls find it, read
-    once per server: aiohttp's trust_env reads the environment on every request (0.2 ms)."""
+    once per server when the client is made: aiohttp's trust_env reads the environment on
+    every request (0.2 ms)."""
     from yarl import URL
 
     try:
@@ -203,8 +204,8 @@ class Endpoint:
     """Set when the server answered, but not as the vLLM server asked for (why)."""
     error: str = ""
     """Why it was last marked unhealthy."""
-    proxy: tuple | None = None
-    """(proxy URL or None, its credentials) for completions, from the environment (_env_proxy)."""
+    proxy: tuple = (None, None)
+    """(proxy URL or None, its credentials) for completions and version reads (_env_proxy)."""
 
 
 class VLLMClient:
@@ -212,7 +213,7 @@ class VLLMClient:
 
     def __init__(self, cfg: FleetConfig):
         self.cfg = cfg
-        self.endpoints = [Endpoint(url.rstrip("/")) for url in cfg.endpoints]
+        self.endpoints = [Endpoint(url.rstrip("/"), proxy=_env_proxy(url)) for url in cfg.endpoints]
         self._affinity: OrderedDict[str, Endpoint] = OrderedDict()
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
@@ -250,14 +251,12 @@ class VLLMClient:
 
     def _call(self, ep: Endpoint, method: str, path: str, **kwargs):
         """A request to a server on the completions' session (made here on the running loop at
-        the first call), through the proxy the environment names for it."""
+        the first call), through the proxy the environment named for it when the client was made."""
         if self._completions is None or self._completions.closed:
             timeout = self.cfg.request_timeout_s  # as httpx's: between two reads, and for a free connection
             self._completions = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=5.0, sock_read=timeout))
-        if ep.proxy is None:
-            ep.proxy = _env_proxy(ep.url)
         return self._completions.request(method, f"{ep.url}{path}", proxy=ep.proxy[0], proxy_auth=ep.proxy[1],
                                          allow_redirects=False, **kwargs)  # as httpx: a redirect is an answer
 

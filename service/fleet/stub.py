@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import orjson
@@ -101,10 +107,32 @@ def create_stub(model: str = "stub", max_model_len: int = 32768, layers: int = 0
     return app
 
 
-if __name__ == "__main__":
-    import json
-    import sys
+@contextlib.contextmanager
+def in_process(port: int, **kwargs) -> Iterator[str]:
+    """The stub (create_stub's arguments) in a process of its own, whose CPU is not the
+    caller's; its URL once it answers, until the block ends."""
+    import httpx
 
+    proc = subprocess.Popen([sys.executable, "-m", "service.fleet.stub", str(port), json.dumps(kwargs)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(f"{url}/health", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the stub exited with {proc.returncode}") from None
+                time.sleep(0.1)
+        else:
+            raise RuntimeError("the stub did not answer within 30 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
     import uvicorn
 
     uvicorn.run(create_stub(**(json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})), host="127.0.0.1",

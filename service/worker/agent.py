@@ -205,8 +205,8 @@ async def run_episode(sampler: InferenceClient, env, renderer: TokenRenderer, cf
                       sink: TurnSink, *, session: str | None = None) -> EpisodeResult:
     """Run one episode to a final status. Failures of the sandbox, fleet or store end it as data."""
     messages = env.first_messages()
-    context = Context(renderer.initial(messages))  # grows by extends only: the fleet client keeps its JSON
-    pending = list(context)  # the first turn's input: the whole prompt
+    pending = renderer.initial(messages)  # the first turn's input: the whole prompt
+    context = Context(pending)  # a copy that grows by extends only: the fleet client keeps its JSON
     result = EpisodeResult(status="running")
     deadline = time.monotonic() + cfg.wall_clock_s
     try:
